@@ -1,0 +1,114 @@
+"""Read and validate a checkpoint's config.json; map model types onto mlx-lm model modules."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.errors import CheckpointError
+
+DEFAULT_MASK_TOKEN_ID = 151665  # WeDLM's [MASK]; released configs leave mask_token_id null
+SUPPORTED_MODEL_TYPES = ("wedlm", "qwen3", "qwen2", "llama", "qwen3_moe")
+REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
+def mlx_model_type(config: dict[str, Any]) -> str:
+    """The mlx-lm module that runs this checkpoint (WeDLM is Qwen3 with q/k norm, else Qwen2)."""
+    model_type = config.get("model_type")
+    if model_type == "wedlm":
+        return "qwen3" if config.get("qk_norm", True) else "qwen2"
+    return str(model_type)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    raw: dict[str, Any] = field(repr=False)
+    model_type: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    mask_token_id: int
+    eos_token_ids: tuple[int, ...]
+    tie_word_embeddings: bool
+    quantization: dict[str, Any] | None
+
+    @property
+    def identity(self) -> str:
+        """A short fingerprint of the architecture, so workers and coordinator can agree."""
+        keys = sorted(k for k in self.raw if k not in ("_name_or_path", "transformers_version"))
+        blob = json.dumps({k: self.raw[k] for k in keys}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def mlx_args(self) -> dict[str, Any]:
+        """The config as mlx-lm's ModelArgs expects it."""
+        args = dict(self.raw)
+        args["model_type"] = self.family
+        args["tie_word_embeddings"] = self.tie_word_embeddings
+        return args
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must contain a JSON object")
+    return data
+
+
+def _int_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"model folder {path} does not exist")
+    raw = _read_json(path / "config.json")
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{path / 'config.json'}: unsupported model_type {model_type!r} "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    for name in REQUIRED_FIELDS:
+        value = raw.get(name)
+        if not isinstance(value, int) or value <= 0:
+            raise CheckpointError(
+                f"{path / 'config.json'}: {name} must be a positive integer, got {value!r}"
+            )
+    eos = _int_list(raw.get("eos_token_id"))
+    gen_path = path / "generation_config.json"
+    if gen_path.exists():
+        eos += [i for i in _int_list(_read_json(gen_path).get("eos_token_id")) if i not in eos]
+    mask_id = raw.get("mask_token_id")
+    quant = raw.get("quantization") or None
+    tie_default = model_type in ("llama", "qwen2")
+    return ModelConfig(
+        path=path,
+        raw=raw,
+        model_type=model_type,
+        family=mlx_model_type(raw),
+        num_layers=raw["num_hidden_layers"],
+        hidden_size=raw["hidden_size"],
+        vocab_size=raw["vocab_size"],
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+        mask_token_id=DEFAULT_MASK_TOKEN_ID if mask_id is None else int(mask_id),
+        eos_token_ids=tuple(eos),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", tie_default)),
+        quantization=quant,
+    )

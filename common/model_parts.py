@@ -1,0 +1,153 @@
+"""The pieces of a model one process holds: a contiguous layer range, optionally the
+embedding, the final norm and the LM head. Built from mlx-lm's own model modules."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from common.checkpoint_weights import layer_of, load_tensors
+from common.errors import CheckpointError
+from common.kv_rows import KVRows
+from common.layer_range import LayerRange
+from common.model_config import ModelConfig, load_model_config
+
+
+class ModelParts(nn.Module):
+    """Layers `layer_range` of a model, plus the ends (embedding, norm, head) when asked for."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        full: nn.Module,
+        layer_range: LayerRange | None,
+        with_ends: bool,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_range = layer_range
+        self.with_ends = with_ends
+        blocks = full.model.layers
+        self.layers = [blocks[i] for i in layer_range] if layer_range else []
+        if with_ends:
+            self.embed_tokens = full.model.embed_tokens
+            self.norm = full.model.norm
+            if not config.tie_word_embeddings:
+                self.lm_head = full.lm_head
+
+    def checkpoint_name(self, name: str) -> str:
+        """Map our parameter name to the checkpoint's (`layers.0.x` → `model.layers.a.x`)."""
+        if name.startswith("layers."):
+            idx, rest = name[len("layers.") :].split(".", 1)
+            return f"model.layers.{int(idx) + self.layer_range.start}.{rest}"
+        if name.startswith(("embed_tokens.", "norm.")):
+            return f"model.{name}"
+        return name
+
+    def local_name(self, key: str) -> str | None:
+        layer = layer_of(key)
+        if layer is not None:
+            if self.layer_range is None or layer not in self.layer_range:
+                return None
+            return f"layers.{layer - self.layer_range.start}.{key.split('.', 3)[3]}"
+        if not self.with_ends:
+            return None
+        if key.startswith(("model.embed_tokens.", "model.norm.")):
+            return key[len("model.") :]
+        if key.startswith("lm_head.") and not self.config.tie_word_embeddings:
+            return key
+        return None
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.embed_tokens(tokens)
+
+    def head(self, hidden: mx.array) -> mx.array:
+        hidden = self.norm(hidden)
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def num_parameters(self) -> int:
+        total = 0
+        for _, p in tree_flatten(self.parameters()):
+            total += p.size
+        return total
+
+
+def _quantize(parts: ModelParts, quant: dict[str, Any], weights: dict[str, mx.array]) -> None:
+    from mlx_lm.utils import infer_quant_config
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        original = parts.checkpoint_name(path)
+        if original in quant:  # per-module override, as mlx-lm writes it
+            return quant[original]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return infer_quant_config(path, module, weights)
+
+    nn.quantize(
+        parts,
+        group_size=quant["group_size"],
+        bits=quant["bits"],
+        mode=quant.get("mode", "affine"),
+        class_predicate=predicate,
+    )
+
+
+def load_model_parts(
+    path: str | Path,
+    layer_range: LayerRange | None = None,
+    with_ends: bool = True,
+    config: ModelConfig | None = None,
+) -> ModelParts:
+    """Load layers `layer_range` (all when None and with_ends) and optionally the ends."""
+    config = config or load_model_config(path)
+    if layer_range is None and with_ends:
+        layer_range = LayerRange.full(config.num_layers)
+    if layer_range is not None and layer_range.end >= config.num_layers:
+        raise CheckpointError(
+            f"layer range {layer_range} is past the model's {config.num_layers} layers "
+            f"(0-{config.num_layers - 1})"
+        )
+    try:
+        arch = importlib.import_module(f"mlx_lm.models.{config.family}")
+        # Building the whole mlx-lm model only creates lazy parameters; ModelParts keeps
+        # the modules it needs and the rest is never materialized.
+        full = arch.Model(arch.ModelArgs.from_dict(config.mlx_args()))
+    except (TypeError, KeyError, ValueError) as e:
+        raise CheckpointError(
+            f"{config.path / 'config.json'}: cannot build a {config.family} model: {e}"
+        ) from None
+    parts = ModelParts(config, full, layer_range, with_ends)
+    keep = parts.local_name
+    raw = load_tensors(config.path, lambda k: keep(k) is not None)
+    # mlx-lm's sanitize works on checkpoint names (stacks MoE experts, drops tied heads).
+    weights = {keep(k): v for k, v in full.sanitize(raw).items() if keep(k) is not None}
+    del full
+    if config.quantization:
+        _quantize(parts, config.quantization, weights)
+    try:
+        parts.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise CheckpointError(f"{config.path}: weights do not match config.json: {e}") from None
+    parts.eval()
+    if mx.default_device() == mx.cpu:
+        # MLX's CPU backend emulates float16/bfloat16 arithmetic (tens of times slower);
+        # compute in float32 there. GPUs keep the checkpoint's dtype.
+        parts.set_dtype(mx.float32)
+    mx.eval(parts.parameters())
+    return parts
+
+
+def run_layers(parts: ModelParts, hidden: mx.array, kv: KVRows, windows: np.ndarray) -> mx.array:
+    """Run `hidden` [rows, T, H] through this process's layers at the rows' current lengths."""
+    mask = kv.begin(windows)
+    for layer, cache in zip(parts.layers, kv.layers, strict=True):
+        hidden = layer(hidden, mask, cache=cache)
+    return hidden

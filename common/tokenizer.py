@@ -1,0 +1,52 @@
+"""Tokenizer, chat template and streaming detokenization, through transformers and mlx-lm."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.errors import CheckpointError
+
+# Instruct models end turns with these even when config.json names another EOS.
+_CHAT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path) -> None:
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        path = Path(path)
+        if not (path / "tokenizer.json").exists() and not (path / "tokenizer.model").exists():
+            raise CheckpointError(f"no tokenizer (tokenizer.json or tokenizer.model) in {path}")
+        try:
+            self._wrapper = load_tokenizer(path)
+        except Exception as e:  # transformers raises many types for broken files
+            raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from None
+        self._hf = self._wrapper._tokenizer
+        vocab = self._hf.get_vocab()
+        self.stop_ids = tuple(sorted({vocab[t] for t in _CHAT_STOP_TOKENS if t in vocab}))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._hf, "chat_template", None))
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        if chat:
+            if not self.has_chat_template:
+                raise CheckpointError("this model's tokenizer has no chat template (drop --chat)")
+            messages = [{"role": "user", "content": text}]
+            ids = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            return [int(i) for i in ids]
+        return [int(i) for i in self._hf.encode(text)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._hf.decode(ids, skip_special_tokens=False)
+
+    def detokenizer(self):
+        """A fresh streaming detokenizer (mlx-lm's): add_token(), last_segment, finalize()."""
+        detok = self._wrapper.detokenizer
+        fresh = type(detok).__new__(type(detok))
+        fresh.__dict__.update(detok.__dict__)
+        fresh.reset()
+        return fresh

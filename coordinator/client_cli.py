@@ -1,0 +1,122 @@
+"""`wedlm`: the client command line. `wedlm generate` runs a prompt, locally on a model
+folder (or the built-in default model)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence as Seq
+
+from common.errors import WedlmError
+from coordinator.generation_params import MAX_WINDOW, GenerationParams
+
+
+def _id_list(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids, got {text!r}"
+        ) from None
+    if any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"token ids must be non-negative, got {text!r}")
+    return ids
+
+
+def _threshold(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"threshold must be a positive number, got {text!r}")
+    return value
+
+
+def _bounded(kind, low, high=None):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if value < low or (high is not None and value > high) or value != value:
+            span = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text!r}")
+        return value
+
+    return parse
+
+
+def add_generation_flags(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", type=_id_list, help="prompt token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--mode", choices=("wedlm", "ar"), default="wedlm")
+    p.add_argument("--window", type=_bounded(int, 1, MAX_WINDOW), default=16)
+    p.add_argument("--threshold", type=_threshold, default=0.4, help="entropy threshold or none")
+    p.add_argument("--penalty", type=_bounded(float, 0.0), default=0.02)
+    p.add_argument("--temperature", type=_bounded(float, 0.0), default=0.0)
+    p.add_argument("--top-p", type=_bounded(float, 1e-9, 1.0), default=1.0)
+    p.add_argument("--top-k", type=_bounded(int, 0), default=0)
+    p.add_argument("--max-tokens", type=_bounded(int, 1), default=256)
+    p.add_argument("--stop-ids", type=_id_list, default=())
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--seed", type=_bounded(int, 0, 2**32 - 1), default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+
+
+def params_from_args(args: argparse.Namespace) -> GenerationParams:
+    return GenerationParams(
+        mode=args.mode,
+        window=args.window,
+        threshold=args.threshold,
+        penalty=args.penalty,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        stop_ids=tuple(args.stop_ids),
+        stop_strings=tuple(args.stop),
+        seed=args.seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wedlm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("--model", required=True, help="model folder, or 'default'")
+    add_generation_flags(gen)
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from coordinator.local_generate import generate_locally
+
+    params = params_from_args(args)
+    result = generate_locally(args, params, stream=None if args.json else sys.stdout)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return run_generate(args)
+    except WedlmError as e:
+        print(f"wedlm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Per-request decoding parameters, validated once at the edge."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from common.errors import InvalidRequest
+
+MODES = ("wedlm", "ar")
+MAX_WINDOW = 64
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    mode: str = "wedlm"
+    window: int = 16
+    threshold: float | None = 0.4  # None: one-by-one mode (fill only the argmin slot)
+    penalty: float = 0.02
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    seed: int = 0
+    extra_stop_ids: tuple[int, ...] = field(default=(), compare=False)  # model's EOS ids
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(message: str) -> InvalidRequest:
+            return InvalidRequest(message)
+
+        if self.mode not in MODES:
+            raise bad(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not 1 <= self.window <= MAX_WINDOW:
+            raise bad(f"window must be between 1 and {MAX_WINDOW}, got {self.window}")
+        if self.threshold is not None and not (
+            math.isfinite(self.threshold) and self.threshold > 0
+        ):
+            raise bad(f"threshold must be a positive number or none, got {self.threshold}")
+        if not (math.isfinite(self.penalty) and self.penalty >= 0):
+            raise bad(f"penalty must be >= 0, got {self.penalty}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise bad(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise bad(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise bad(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(i < 0 for i in self.stop_ids):
+            raise bad(f"stop ids must be non-negative token ids, got {list(self.stop_ids)}")
+        if any(not s for s in self.stop_strings):
+            raise bad("stop strings must not be empty")
+        if not 0 <= self.seed < 2**32:
+            raise bad(f"seed must be in [0, 2^32), got {self.seed}")
+
+    @property
+    def all_stop_ids(self) -> frozenset[int]:
+        return frozenset(self.stop_ids) | frozenset(self.extra_stop_ids)

@@ -1,0 +1,34 @@
+"""A single-process engine: all layers, the ends and the tokenizer in this process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.model_parts import load_model_parts
+from common.tokenizer import Tokenizer
+from coordinator.engine import Engine
+from coordinator.pipeline import LocalPipeline
+
+
+def resolve_model(model: str) -> Path:
+    """`default` is the built-in SmolLM2-135M-Instruct, fetched and converted once."""
+    if model == "default":
+        from common.default_model import default_model_path
+
+        return default_model_path()
+    return Path(model).expanduser()
+
+
+@dataclass
+class LocalEngine:
+    engine: Engine
+    tokenizer: Tokenizer
+
+
+def open_local_engine(model: str | Path, num_rows: int = 1) -> LocalEngine:
+    path = resolve_model(str(model))
+    parts = load_model_parts(path)
+    tokenizer = Tokenizer(path)
+    engine = Engine(parts, LocalPipeline(parts, num_rows), num_rows, text_tail=tokenizer.decode)
+    return LocalEngine(engine, tokenizer)

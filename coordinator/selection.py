@@ -1,0 +1,33 @@
+"""WeDLM slot selection on the device: entropy of the raw logits plus a position penalty,
+a strict threshold, and the argmin fallback. Autoregressive rows pass as a one-slot window
+with an infinite threshold, so both modes share one vectorized graph."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def entropy(logits: mx.array) -> mx.array:
+    """Entropy in nats of softmax(logits) over the last axis, computed in float32."""
+    logits = logits.astype(mx.float32)
+    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    probs = mx.exp(logits - lse)
+    return lse[..., 0] - mx.sum(probs * logits, axis=-1)
+
+
+def select_fills(
+    entropies: mx.array, is_mask: mx.array, threshold: mx.array, penalty: mx.array
+) -> mx.array:
+    """[N, S] bool: which mask slots to fill this step.
+
+    `adj = H + penalty * d` with d the slot's index after the commit (the window then starts
+    with a mask, so d = 0 is the first remaining mask). Every slot with adj < threshold is
+    filled; if none is, only the argmin. threshold = -inf is one-by-one mode.
+    """
+    s = entropies.shape[-1]
+    distance = mx.arange(s, dtype=mx.float32)[None, :]
+    adj = mx.where(is_mask, entropies + penalty[:, None] * distance, float("inf"))
+    parallel = adj < threshold[:, None]
+    best = mx.argmin(adj, axis=-1)
+    fallback = (mx.arange(s)[None, :] == best[:, None]) & is_mask
+    return mx.where(mx.any(parallel, axis=-1, keepdims=True), parallel, fallback)

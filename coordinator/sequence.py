@@ -1,0 +1,80 @@
+"""One request's token state: everything the coordinator needs to continue or rebuild it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from coordinator.generation_params import GenerationParams
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt: list[int]
+    params: GenerationParams
+    output: list[int] = field(default_factory=list)  # committed completion tokens
+    phase: Phase = Phase.WAITING
+    kv_length: int = 0  # rows of permanent KV (prompt + committed, minus AR's last token)
+    prefilled: int = 0  # prompt tokens already in the KV
+    # WeDLM window, in logical slot order: slot i sits at position kv_length + i.
+    window_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    window_filled: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    forwards: int = 0  # forwards that produced tokens for this sequence
+    finish_reason: str | None = None
+    prefill_s: float = 0.0  # wall time of the ticks that prefilled this sequence
+    decode_s: float = 0.0  # wall time of the ticks that decoded it
+    text_tail: Callable[[list[int]], str] | None = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    def leading_filled(self) -> int:
+        """p: the number of filled slots before the first mask (all of them if no mask)."""
+        masks = np.flatnonzero(~self.window_filled)
+        return int(masks[0]) if masks.size else int(self.window_filled.size)
+
+    def commit(self, tokens: list[int]) -> int:
+        """Append tokens one by one, stopping at a stop id, a stop string or max_tokens.
+
+        Returns how many were taken; sets finish_reason when the sequence is complete.
+        """
+        stop_ids = self.params.all_stop_ids
+        taken = 0
+        for token in tokens:
+            self.output.append(int(token))
+            taken += 1
+            if token in stop_ids or self._hit_stop_string():
+                self.finish_reason = "stop"
+            elif len(self.output) >= self.params.max_tokens:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        return taken
+
+    def would_finish(self, tokens: list[int]) -> bool:
+        """Whether committing `tokens` ends the sequence (checked without committing)."""
+        before = len(self.output)
+        self.commit(tokens)
+        done = self.finish_reason is not None
+        del self.output[before:]
+        self.finish_reason = None
+        return done
+
+    def _hit_stop_string(self) -> bool:
+        if not self.params.stop_strings or self.text_tail is None:
+            return False
+        longest = max(len(s) for s in self.params.stop_strings)
+        tail = self.text_tail(self.output[-(longest + 4) :])
+        return any(s in tail for s in self.params.stop_strings)

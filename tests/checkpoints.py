@@ -1,0 +1,248 @@
+"""Tiny random float32 checkpoints in the Hugging Face layout, for parity tests.
+
+The weights come from transformers' own model classes (so tensor names and the MoE expert layout are
+exactly what `save_pretrained` writes), re-initialised with a larger, seeded spread so that the
+predictive entropies vary between rows: WeDLM thresholds must sometimes fill one slot and sometimes
+several.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+from transformers.utils import logging as hf_logging
+
+FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe", "wedlm_qwen3", "wedlm_qwen2")
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<mask>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = (
+    "Once upon a time there was a little robot who liked to count: one, two, three, four, five. "
+    "The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) [ ] { } < > ? ! . , ; : "
+    "def main(): return sum(range(10)) # parallel decoding with a sliding window of masks\n"
+    "She sells sea shells by the sea shore; the shells she sells are surely sea shells. "
+)
+
+# Output head init: std HEAD_GAIN / sqrt(hidden), columns scaled by exp(SPREAD * N(0, 1)).
+# Tuned so that mask-row entropies span ~0.5-3.5 nats (10th-90th percentile), tau 0.4 fills
+# several slots in a few percent of steps and tau 2.0 in about half of them.
+SPREAD = 1.0
+HEAD_GAIN = 5.5
+_BASE: dict[str, Any] = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "torch_dtype": "float32",
+}
+# family -> (config class, model class, architectures, extra config fields)
+_FAMILY: dict[str, tuple[type, type, str, dict[str, Any]]] = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, "Qwen3ForCausalLM", {"attention_bias": False}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, "Qwen2ForCausalLM", {"use_sliding_window": False}),
+    "llama": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        "LlamaForCausalLM",
+        {
+            "tie_word_embeddings": True,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "rms_norm_eps": 1e-5,
+        },
+    ),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        "Qwen3MoeForCausalLM",
+        {
+            "attention_bias": False,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [],
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        },
+    ),
+    "wedlm_qwen3": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        "WeDLMForCausalLM",
+        {"attention_bias": False, "qk_norm": True},
+    ),
+    "wedlm_qwen2": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        "WeDLMForCausalLM",
+        {"attention_bias": True, "qk_norm": False},
+    ),
+}
+
+
+@lru_cache(maxsize=8)
+def _tokenizer_json(vocab_size: int) -> tuple[str, dict[str, int]]:
+    """Byte-level BPE: `vocab_size - 4` regular tokens, then the 4 special tokens at the end."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    assert tok.get_vocab_size() <= vocab_size, "tokenizer vocabulary must fit the model"
+    return tok.to_str(), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+
+
+def _write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
+    text, ids = _tokenizer_json(vocab_size)
+    (out_dir / "tokenizer.json").write_text(text)
+    added = {
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t, i in ids.items()
+    }
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "mask_token": "<mask>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 512,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    return ids
+
+
+def _reinit(model: torch.nn.Module, seed: int) -> None:
+    """Seeded weights with a wide spread (the default std 0.02 gives near-uniform predictions)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if p.ndim == 1 and "norm" in name:
+                # not all ones, so that a loader which drops a norm weight fails parity
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif p.ndim == 1:  # q/k/v biases
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name or "lm_head" in name:
+                # (vocab, hidden): uneven column scales make some hidden directions decisive, so
+                # the entropy varies from row to row instead of clustering (llama ties these)
+                cols = torch.exp(SPREAD * torch.randn(p.shape[-1], generator=gen))
+                cols = cols / cols.square().mean().sqrt()
+                p.copy_(
+                    HEAD_GAIN / math.sqrt(p.shape[-1]) * cols * torch.randn(p.shape, generator=gen)
+                )
+            else:
+                gain = 3.0 if name.endswith("mlp.gate.weight") else 1.5
+                p.copy_(gain / math.sqrt(p.shape[-1]) * torch.randn(p.shape, generator=gen))
+
+
+def _write_shards(out_dir: Path, n: int) -> None:
+    """Split model.safetensors into `n` shards plus an index, as `save_pretrained` would."""
+    single = out_dir / "model.safetensors"
+    tensors = load_file(single)
+    names = sorted(tensors)
+    per = math.ceil(len(names) / n)
+    weight_map: dict[str, str] = {}
+    for i in range(n):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        part = {k: tensors[k].contiguous() for k in names[i * per : (i + 1) * per]}
+        save_file(part, out_dir / fname, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    single.unlink()
+
+
+def make_checkpoint(
+    out_dir: Path, family: str, seed: int = 0, shards: int = 1, **config_overrides: Any
+) -> Path:
+    """Write a tiny random float32 checkpoint of `family` (see FAMILIES) into `out_dir`."""
+    if family not in _FAMILY:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    config_cls, model_cls, arch, extra = _FAMILY[family]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fields = {**_BASE, **extra, **config_overrides}
+    ids = _write_tokenizer(out_dir, fields["vocab_size"])
+    fields.update(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        mask_token_id=ids["<mask>"],
+    )
+
+    hf_fields = {k: v for k, v in fields.items() if k not in ("qk_norm", "torch_dtype")}
+    model = model_cls(config_cls(**hf_fields)).to(torch.float32)
+    _reinit(model, seed)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory() as tmp:
+        # save_pretrained writes hub tensor names (per-expert MoE tensors) and drops a tied lm_head
+        model.save_pretrained(tmp)
+        (out_dir / "model.safetensors").write_bytes((Path(tmp) / "model.safetensors").read_bytes())
+    if bar:
+        hf_logging.enable_progress_bar()
+    for stale in out_dir.glob("model-*-of-*.safetensors"):
+        stale.unlink()
+    (out_dir / "model.safetensors.index.json").unlink(missing_ok=True)
+    if shards > 1:
+        _write_shards(out_dir, shards)
+
+    # config.json in the classic hub form (top-level rope_theta, num_experts), written by hand
+    model_type = "wedlm" if family.startswith("wedlm") else model.config.model_type
+    config = {"architectures": [arch], "model_type": model_type, **fields}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    gen = {
+        "bos_token_id": fields["bos_token_id"],
+        "eos_token_id": fields["eos_token_id"],
+        "do_sample": False,
+    }
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out_dir

@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny random checkpoints made by the tests, and engines over them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
+    """make(family, seed=0, **overrides) -> a cached tiny checkpoint folder."""
+    from tests.checkpoints import make_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    made: dict[tuple, Path] = {}
+
+    def make(family: str, seed: int = 0, **overrides) -> Path:
+        key = (family, seed, tuple(sorted(overrides.items())))
+        if key not in made:
+            name = f"{family}-{seed}-{len(made)}"
+            made[key] = make_checkpoint(root / name, family, seed=seed, **overrides)
+        return made[key]
+
+    return make
+
+
+def shared_model(name: str) -> Path:
+    path = SHARED_MODELS / name
+    if not (path / "config.json").exists():
+        pytest.skip(f"{path} is absent (the shared models folder ships beside the repo)")
+    return path
