@@ -47,3 +47,9 @@ def load_tensors(path: Path, wanted: Callable[[str], bool]) -> dict[str, mx.arra
             raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
         tensors.update({k: v for k, v in contents.items() if wanted(k)})
     return tensors
+
+
+def layer_nbytes(path: Path, layer: int = 0) -> int:
+    """Bytes of one transformer layer's weights as stored (shapes only; nothing is read)."""
+    prefix = f"model.layers.{layer}."
+    return sum(v.nbytes for v in load_tensors(path, lambda k: k.startswith(prefix)).values())

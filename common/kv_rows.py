@@ -62,9 +62,10 @@ class LayerKV:
 class KVRows:
     """KV for a fixed number of rows across the layers of one process."""
 
-    def __init__(self, num_layers: int, num_rows: int) -> None:
+    def __init__(self, num_layers: int, num_rows: int, seq_ids: list[int] | None = None) -> None:
         self.layers = [LayerKV() for _ in range(num_layers)]
         self.lengths = np.zeros(num_rows, dtype=np.int64)  # host copy: no device reads
+        self.seq_ids = list(seq_ids) if seq_ids is not None else list(range(num_rows))
         self.capacity = 0
         self.span = 0
         self.uniform_start: int | None = None
@@ -119,6 +120,11 @@ class KVRows:
         for layer in self.layers:
             layer.keep_rows(idx)
         self.lengths = self.lengths[rows]
+        self.seq_ids = [self.seq_ids[r] for r in rows]
 
-    def reset_row(self, row: int) -> None:
-        self.lengths[row] = 0
+    def nbytes(self) -> int:
+        return sum(
+            layer.keys.nbytes + layer.values.nbytes
+            for layer in self.layers
+            if layer.keys is not None
+        )

@@ -105,10 +105,15 @@ def load_model_parts(
     layer_range: LayerRange | None = None,
     with_ends: bool = True,
     config: ModelConfig | None = None,
+    with_layers: bool = True,
 ) -> ModelParts:
-    """Load layers `layer_range` (all when None and with_ends) and optionally the ends."""
+    """Load layers `layer_range` (all of them when None) and optionally the ends
+    (embedding, final norm, head). `with_layers=False` loads only the ends, as the
+    coordinator of a cluster holds them."""
     config = config or load_model_config(path)
-    if layer_range is None and with_ends:
+    if not with_layers:
+        layer_range = None
+    elif layer_range is None:
         layer_range = LayerRange.full(config.num_layers)
     if layer_range is not None and layer_range.end >= config.num_layers:
         raise CheckpointError(

@@ -50,8 +50,8 @@ def _bounded(kind, low, high=None):
     return parse
 
 
-def add_generation_flags(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
+def add_generation_flags(p: argparse.ArgumentParser, prompt_required: bool = True) -> None:
+    src = p.add_mutually_exclusive_group(required=prompt_required)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_id_list, help="prompt token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -89,16 +89,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="wedlm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
-    gen.add_argument("--model", required=True, help="model folder, or 'default'")
+    where = gen.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", help="run locally on a model folder, or 'default'")
+    where.add_argument("--cluster", metavar="HOST:PORT", help="run on a cluster's coordinator")
     add_generation_flags(gen)
+    status = sub.add_parser("status", help="show a cluster's workers, ranges and health")
+    status.add_argument("--cluster", metavar="HOST:PORT", required=True)
+    status.add_argument("--json", action="store_true")
     return parser
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from coordinator.local_generate import generate_locally
-
     params = params_from_args(args)
-    result = generate_locally(args, params, stream=None if args.json else sys.stdout)
+    stream = None if args.json else sys.stdout
+    if args.cluster:
+        from coordinator.cluster_generate import generate_on_cluster
+
+        result = generate_on_cluster(args, params, stream)
+    else:
+        from coordinator.local_generate import generate_locally
+
+        result = generate_locally(args, params, stream)
     if args.json:
         print(json.dumps(result))
     else:
@@ -106,11 +117,21 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_status(args: argparse.Namespace) -> int:
+    from coordinator.cluster_client import WedlmClient
+    from coordinator.status_view import format_status
+
+    with WedlmClient(args.cluster, timeout=10.0) as client:
+        status = client.status_dict()
+    print(json.dumps(status) if args.json else format_status(status))
+    return 0
+
+
 def main(argv: Seq[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return run_generate(args)
+        return run_status(args) if args.command == "status" else run_generate(args)
     except WedlmError as e:
         print(f"wedlm: error: {e}", file=sys.stderr)
         return 1

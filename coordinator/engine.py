@@ -39,20 +39,24 @@ class Engine:
         num_rows: int,
         text_tail: Callable[[list[int]], str] | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
+        stop_ids: tuple[int, ...] = (),
     ) -> None:
         self.parts = parts
         self.config = parts.config
         self.pipeline = pipeline
-        self.rows: list[Sequence | None] = [None] * num_rows
+        self.max_running = num_rows
+        self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self.text_tail = text_tail
         self.prefill_chunk = prefill_chunk
         self._next_id = 0
+        # The model's EOS ids and the tokenizer's chat end tokens always stop.
+        self.model_stop_ids = tuple(dict.fromkeys(self.config.eos_token_ids + tuple(stop_ids)))
 
     # ---- requests -------------------------------------------------------------------
     def submit(self, prompt: list[int], params: GenerationParams) -> Sequence:
         self.validate_prompt(prompt, params)
-        params = _with_model_stops(params, self.config.eos_token_ids)
+        params = replace(params, extra_stop_ids=self.model_stop_ids)
         seq = Sequence(self._next_id, list(prompt), params, text_tail=self.text_tail)
         self._next_id += 1
         self.waiting.append(seq)
@@ -81,41 +85,39 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(s is not None for s in self.rows)
+        return bool(self.waiting) or bool(self.running)
 
     # ---- one tick -------------------------------------------------------------------
     def step(self) -> list[Commit]:
         self._admit()
         commits: list[Commit] = []
         plans = self._schedule(commits)
-        if any(p is not None for p in plans):
+        if plans:
             start = time.perf_counter()
             batch = build_batch(plans)
             fills, tokens = self._run(batch)
             elapsed = time.perf_counter() - start
             commits += self._postprocess(batch, fills, tokens, elapsed)
-        for row, seq in enumerate(self.rows):
-            if seq is not None and seq.finished:
-                self.rows[row] = None
-                self.pipeline.release_row(row)
+        done = [s for s in self.running if s.finished]
+        if done:
+            self.running = [s for s in self.running if not s.finished]
+            self.pipeline.release([s.seq_id for s in done])
         return commits
 
     def _admit(self) -> None:
-        for row, seq in enumerate(self.rows):
-            if seq is None and self.waiting:
-                new = self.waiting.popleft()
-                new.phase = Phase.PREFILL
-                self.rows[row] = new
+        while self.waiting and len(self.running) < self.max_running:
+            new = self.waiting.popleft()
+            new.phase = Phase.PREFILL
+            self.running.append(new)
 
-    def _schedule(self, commits: list[Commit]) -> list[RowPlan | None]:
-        """Plans per row. Prefill ticks and decode ticks alternate rather than mix, so a
-        long prompt chunk does not pad every decode window to its width."""
-        prefilling = any(s is not None and s.phase is Phase.PREFILL for s in self.rows)
-        plans: list[RowPlan | None] = []
+    def _schedule(self, commits: list[Commit]) -> list[RowPlan]:
+        """Plans for this tick. Prefill ticks and decode ticks alternate rather than mix, so
+        a long prompt chunk does not pad every decode window to its width."""
+        prefilling = any(s.phase is Phase.PREFILL for s in self.running)
+        plans: list[RowPlan] = []
         limit = self.config.max_position_embeddings
-        for seq in self.rows:
-            if seq is None or (prefilling and seq.phase is not Phase.PREFILL):
-                plans.append(None)
+        for seq in self.running:
+            if prefilling and seq.phase is not Phase.PREFILL:
                 continue
             plan = plan_next(seq, self.config.mask_token_id, self.prefill_chunk)
             if plan.commits and seq.would_finish(plan.commits):
@@ -124,12 +126,10 @@ class Engine:
                 seq.commit(plan.commits)
                 seq.phase = Phase.FINISHED
                 commits.append(Commit(seq, seq.output[before:]))
-                plans.append(None)
             elif seq.kv_length + plan.width > limit:
                 seq.finish_reason = "length"
                 seq.phase = Phase.FINISHED
                 commits.append(Commit(seq, []))
-                plans.append(None)
             else:
                 plans.append(plan)
         return plans
@@ -137,7 +137,7 @@ class Engine:
     def _run(self, batch: TickBatch) -> tuple[np.ndarray, np.ndarray]:
         """Embed, run the layers, and select/sample on the device; one host sync."""
         hidden = self.parts.embed(mx.array(batch.tokens))
-        hidden = self.pipeline.forward(hidden, batch.windows, batch.keeps)
+        hidden = self.pipeline.forward(batch.spec, hidden)
         if not batch.wants_head:
             mx.eval(hidden)
             return np.zeros((len(batch.plans), 0), bool), np.zeros((len(batch.plans), 0))
@@ -169,8 +169,6 @@ class Engine:
     ) -> list[Commit]:
         commits = []
         for i, plan in enumerate(batch.plans):
-            if plan is None:
-                continue
             seq = plan.seq
             k = plan.head_slots.size
             was_prefill = seq.phase is Phase.PREFILL
@@ -183,6 +181,27 @@ class Engine:
                 commits.append(Commit(seq, new))
         return commits
 
+    def cancel(self, seq: Sequence) -> None:
+        """Finish a sequence now (client gone or job cancelled) and free its KV."""
+        if seq.finished:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish_reason = "cancelled"
+        seq.phase = Phase.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pipeline.release([seq.seq_id])
+
+    def fail_running(self, reason: str) -> list[Sequence]:
+        """Finish every running sequence with an error (their KV state is unknown)."""
+        failed = list(self.running)
+        for seq in failed:
+            seq.finish_reason = "error"
+            seq.phase = Phase.FINISHED
+        self.running = []
+        return failed
+
     # ---- convenience ------------------------------------------------------------------
     def stream(self, seqs: list[Sequence]) -> Iterator[Commit]:
         """Tick until these sequences finish, yielding their commits as they happen."""
@@ -191,7 +210,3 @@ class Engine:
             for c in self.step():
                 if c.seq.seq_id in wanted:
                     yield c
-
-
-def _with_model_stops(params: GenerationParams, eos: tuple[int, ...]) -> GenerationParams:
-    return replace(params, extra_stop_ids=tuple(eos))

@@ -30,5 +30,11 @@ def open_local_engine(model: str | Path, num_rows: int = 1) -> LocalEngine:
     path = resolve_model(str(model))
     parts = load_model_parts(path)
     tokenizer = Tokenizer(path)
-    engine = Engine(parts, LocalPipeline(parts, num_rows), num_rows, text_tail=tokenizer.decode)
+    engine = Engine(
+        parts,
+        LocalPipeline(parts),
+        num_rows,
+        text_tail=tokenizer.decode,
+        stop_ids=tokenizer.stop_ids,
+    )
     return LocalEngine(engine, tokenizer)

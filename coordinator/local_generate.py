@@ -7,6 +7,7 @@ from typing import Any, TextIO
 
 from coordinator.generation_params import GenerationParams
 from coordinator.local_engine import open_local_engine
+from coordinator.results import result_record
 
 
 def generate_locally(
@@ -15,7 +16,6 @@ def generate_locally(
     local = open_local_engine(args.model)
     tok = local.tokenizer
     prompt = list(args.prompt_ids) if args.prompt_ids else tok.encode(args.prompt, args.chat)
-    params = _with_tokenizer_stops(params, tok.stop_ids)
     seq = local.engine.submit(prompt, params)
     detok = tok.detokenizer()
     for commit in local.engine.stream([seq]):
@@ -28,25 +28,4 @@ def generate_locally(
     detok.finalize()
     if stream is not None:
         stream.write(detok.last_segment)
-    return result_record(seq, tok.decode(seq.output), len(prompt))
-
-
-def _with_tokenizer_stops(params: GenerationParams, stops: tuple[int, ...]) -> GenerationParams:
-    from dataclasses import replace
-
-    return replace(params, stop_ids=tuple(dict.fromkeys(params.stop_ids + stops)))
-
-
-def result_record(seq, text: str, prompt_tokens: int) -> dict[str, Any]:
-    forwards = max(seq.forwards, 1)
-    return {
-        "tokens": list(seq.output),
-        "text": text,
-        "finish_reason": seq.finish_reason,
-        "prompt_tokens": prompt_tokens,
-        "forwards": seq.forwards,
-        "tokens_per_forward": len(seq.output) / forwards,
-        "prefill_s": round(seq.prefill_s, 6),
-        "decode_s": round(seq.decode_s, 6),
-        "decode_tokens_per_s": len(seq.output) / seq.decode_s if seq.decode_s else None,
-    }
+    return result_record(seq, tok.decode(seq.output))

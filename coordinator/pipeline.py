@@ -1,34 +1,32 @@
-"""Where the transformer layers run. The engine hands each tick's hidden states to a
-pipeline and gets the last layer's hidden states back; this one runs them in-process."""
+"""Where the transformer layers run. The engine hands each tick's hidden states and row
+spec to a pipeline and gets the last layer's hidden states back; this one runs them
+in-process (a cluster pipeline sends them through the workers instead)."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 import mlx.core as mx
-import numpy as np
 
-from common.kv_rows import KVRows
-from common.model_parts import ModelParts, run_layers
+from common.layer_runner import LayerRunner
+from common.model_parts import ModelParts
+from common.rows_spec import RowsSpec
 
 
 class Pipeline(Protocol):
-    def forward(self, hidden: mx.array, windows: np.ndarray, keeps: np.ndarray) -> mx.array:
-        """Run all layers over [rows, T, H]; then make keeps[b] leading rows permanent."""
+    def forward(self, spec: RowsSpec, hidden: mx.array) -> mx.array:
+        """Run all layers over hidden [rows, T, H]; then keep spec.keeps[b] rows as KV."""
 
-    def release_row(self, row: int) -> None:
-        """Forget row's KV (its sequence finished); the row will be reused."""
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget these sequences' KV everywhere."""
 
 
 class LocalPipeline:
-    def __init__(self, parts: ModelParts, num_rows: int) -> None:
-        self.parts = parts
-        self.kv = KVRows(len(parts.layers), num_rows)
+    def __init__(self, parts: ModelParts) -> None:
+        self.runner = LayerRunner(parts)
 
-    def forward(self, hidden: mx.array, windows: np.ndarray, keeps: np.ndarray) -> mx.array:
-        out = run_layers(self.parts, hidden, self.kv, windows)
-        self.kv.commit(keeps)
-        return out
+    def forward(self, spec: RowsSpec, hidden: mx.array) -> mx.array:
+        return self.runner.forward(spec, hidden)
 
-    def release_row(self, row: int) -> None:
-        self.kv.reset_row(row)
+    def release(self, seq_ids: list[int]) -> None:
+        self.runner.release(seq_ids)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from common.window_mask import batch_window_masks
+from common.rows_spec import RowsSpec
 from coordinator.row_plan import RowPlan
 
 WIDTH_STEP = 8  # batched window widths are padded to multiples of this (bounded shapes)
@@ -16,10 +16,9 @@ WIDTH_STEP = 8  # batched window widths are padded to multiples of this (bounded
 
 @dataclass
 class TickBatch:
-    plans: list[RowPlan | None]  # one entry per KV row; None = the row idles this tick
+    plans: list[RowPlan]  # one per row of this forward
     tokens: np.ndarray  # [B, T]
-    windows: np.ndarray  # [B, T, T]
-    keeps: np.ndarray  # [B]
+    spec: RowsSpec  # what the layers need: sequences, starts, filled flags, keeps
     head_slots: np.ndarray  # [B, K]
     head_is_mask: np.ndarray  # [B, K]
 
@@ -29,7 +28,7 @@ class TickBatch:
 
     def sampling_arrays(self) -> dict[str, mx.array]:
         """Per-row decoding parameters as device arrays (idle rows get neutral values)."""
-        rows = [p.seq.params if p else None for p in self.plans]
+        rows = [p.seq.params for p in self.plans]
         ar = float("inf")  # an AR row fills its single slot: adj < inf always holds
 
         def col(get, default, dtype):
@@ -51,40 +50,40 @@ class TickBatch:
 
     @property
     def any_sampling(self) -> bool:
-        return any(p and p.head_slots.size and p.seq.params.temperature > 0 for p in self.plans)
+        return any(p.head_slots.size and p.seq.params.temperature > 0 for p in self.plans)
 
     @property
     def any_filter(self) -> bool:
         return any(
-            p and p.seq.params.temperature > 0 and (p.seq.params.top_k or p.seq.params.top_p < 1)
+            p.seq.params.temperature > 0 and (p.seq.params.top_k or p.seq.params.top_p < 1)
             for p in self.plans
         )
 
     @property
     def any_wedlm(self) -> bool:
-        return any(p and p.head_slots.size and p.seq.params.mode == "wedlm" for p in self.plans)
+        return any(p.head_slots.size and p.seq.params.mode == "wedlm" for p in self.plans)
 
 
-def build_batch(plans: list[RowPlan | None]) -> TickBatch:
-    active = [p for p in plans if p is not None]
-    width = max(p.width for p in active)
+def build_batch(plans: list[RowPlan]) -> TickBatch:
+    width = max(p.width for p in plans)
     if len(plans) > 1:
         width = -(-width // WIDTH_STEP) * WIDTH_STEP
-    heads = max(p.head_slots.size for p in active)
+    heads = max(p.head_slots.size for p in plans)
     b = len(plans)
     tokens = np.zeros((b, width), dtype=np.int32)
-    keeps = np.zeros(b, dtype=np.int64)
+    filled = np.zeros((b, width), dtype=bool)
     head_slots = np.zeros((b, heads), dtype=np.int64)
     head_is_mask = np.zeros((b, heads), dtype=bool)
-    filled_rows = []
     for i, p in enumerate(plans):
-        if p is None:
-            filled_rows.append(np.zeros(0, dtype=bool))
-            continue
         tokens[i, : p.width] = p.tokens
-        keeps[i] = p.keep
+        filled[i, : p.width] = p.filled
         head_slots[i, : p.head_slots.size] = p.head_slots
         head_is_mask[i, : p.head_is_mask.size] = p.head_is_mask
-        filled_rows.append(p.filled)
-    windows = batch_window_masks(filled_rows, width)
-    return TickBatch(plans, tokens, windows, keeps, head_slots, head_is_mask)
+    spec = RowsSpec(
+        seq_ids=[p.seq.seq_id for p in plans],
+        starts=np.array([p.seq.kv_length for p in plans], dtype=np.int64),
+        widths=np.array([p.width for p in plans], dtype=np.int64),
+        filled=filled,
+        keeps=np.array([p.keep for p in plans], dtype=np.int64),
+    )
+    return TickBatch(plans, tokens, spec, head_slots, head_is_mask)

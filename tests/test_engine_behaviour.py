@@ -36,10 +36,12 @@ def qwen3(checkpoint_dir):
 def test_committed_kv_equals_a_fresh_prefill(qwen3):
     _, local = qwen3
     prompt = local.tokenizer.encode("the quick brown fox")
-    seq = generate(local, prompt, threshold=1.5, max_tokens=40)
+    seq = local.engine.submit(prompt, GenerationParams(threshold=1.5, max_tokens=200))
+    while len(seq.output) < 30:  # stop mid-generation, while the KV is still held
+        local.engine.step()
     history = (prompt + seq.output)[: seq.kv_length]
     assert seq.kv_length > len(prompt) + 10
-    kv = local.engine.pipeline.kv
+    kv = local.engine.pipeline.runner.store.rows_for([seq.seq_id])
     fresh = KVRows(len(kv.layers), 1)
     parts = local.engine.parts
     t = len(history)
@@ -51,6 +53,8 @@ def test_committed_kv_equals_a_fresh_prefill(qwen3):
         np.testing.assert_allclose(
             np.array(ours.values[0, :, :t]), np.array(ref.values[0, :, :t]), atol=1e-5
         )
+    local.engine.running.remove(seq)
+    local.engine.pipeline.release([seq.seq_id])
 
 
 def test_prompt_containing_the_mask_id(qwen3):

@@ -1,0 +1,345 @@
+"""Engine benchmark: window forward time vs T at context 512, and single-stream decode
+(engine AR, engine WeDLM, mlx-lm's own generate_step), on one model. Prints one JSON
+object and writes engine.json + engine.png to --out.
+
+  python benchmarks/engine.py --model default --repeats 3 --tokens 16
+  python benchmarks/engine.py --model random-qwen3-8b [--layers 2 --hidden 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_map_with_path
+
+from common.kv_rows import KVRows
+from common.layer_range import LayerRange
+from common.model_config import ModelConfig
+from common.model_parts import ModelParts, load_model_parts, run_layers
+from common.window_mask import window_visibility
+from coordinator.engine import Engine
+from coordinator.generation_params import GenerationParams
+from coordinator.local_engine import resolve_model
+from coordinator.pipeline import LocalPipeline
+from coordinator.row_plan import plan_next
+from coordinator.sequence import Phase
+
+T_VALUES = (1, 2, 4, 8, 16, 17, 20, 24, 32, 48, 64)
+CONTEXT = 512
+WINDOW = 16
+now = time.perf_counter
+
+
+def random_qwen3(layers: int, hidden: int) -> tuple[ModelParts, nn.Module]:
+    """Qwen3-8B-shaped model with random weights (bf16 on GPU, fp32 on CPU), no files."""
+    from mlx_lm.models import qwen3
+
+    heads = hidden // 128
+    # fmt: off
+    raw = dict(model_type="qwen3", hidden_size=hidden, num_hidden_layers=layers,
+               intermediate_size=3 * hidden, num_attention_heads=heads,
+               num_key_value_heads=max(1, heads // 4), head_dim=128, rms_norm_eps=1e-6,
+               vocab_size=151936, max_position_embeddings=40960, rope_theta=1e6,
+               tie_word_embeddings=False)
+    # fmt: on
+    full = qwen3.Model(qwen3.ModelArgs(**raw))  # lazy parameters, never materialized
+    dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+
+    def init(path: str, p: mx.array) -> mx.array:
+        if path.endswith("norm.weight"):
+            return mx.ones(p.shape, dtype)
+        return (mx.random.normal(p.shape) * 0.02).astype(dtype)
+
+    for m in [*full.model.layers, full.model.embed_tokens, full.model.norm, full.lm_head]:
+        m.update(tree_map_with_path(init, m.parameters()))
+        mx.eval(m.parameters())  # one module at a time bounds peak memory
+    # fmt: off
+    config = ModelConfig(path=Path("random-qwen3"), raw=raw, model_type="qwen3",
+                         family="qwen3", num_layers=layers, hidden_size=hidden,
+                         vocab_size=151936, max_position_embeddings=40960,
+                         mask_token_id=151665, eos_token_ids=(151645,),
+                         tie_word_embeddings=False, quantization=None)
+    # fmt: on
+    return ModelParts(config, full, LayerRange.full(layers), with_ends=True), full
+
+
+def mlx_lm_model(parts: ModelParts) -> nn.Module:
+    """An mlx-lm model sharing the parts' modules, so both sides run identical weights."""
+    arch = importlib.import_module(f"mlx_lm.models.{parts.config.family}")
+    full = arch.Model(arch.ModelArgs.from_dict(parts.config.mlx_args()))
+    full.model.layers = parts.layers
+    full.model.embed_tokens, full.model.norm = parts.embed_tokens, parts.norm
+    if not parts.config.tie_word_embeddings:
+        full.lm_head = parts.lm_head
+    return full
+
+
+def window_forward(parts: ModelParts, kv: KVRows, tokens: np.ndarray, windows: np.ndarray):
+    """embed → layers through KVRows (no commit) → head on the last row."""
+    hidden = run_layers(parts, parts.embed(mx.array(tokens)), kv, windows)
+    return parts.head(hidden[:, -1:, :])
+
+
+def wedlm_filled(t: int) -> np.ndarray:
+    """A WeDLM-shaped window: the committing run of t-16 filled slots, then a mask first
+    and every third slot filled (non-causal visibility, the explicit mask path)."""
+    p = max(t - WINDOW, 0)
+    filled = np.zeros(t, dtype=bool)
+    filled[:p] = True
+    filled[p + 1 :: 3] = True
+    return filled
+
+
+def bench_forward(parts: ModelParts, repeats: int, causal: bool) -> dict[str, dict[int, float]]:
+    kv = KVRows(len(parts.layers), 1)
+    rng = np.random.default_rng(0)
+    ids = lambda n: rng.integers(0, parts.config.vocab_size, (1, n)).astype(np.int32)  # noqa: E731
+    mx.eval(
+        run_layers(
+            parts, parts.embed(mx.array(ids(CONTEXT))), kv, np.tri(CONTEXT, dtype=bool)[None]
+        )
+    )
+    kv.commit([CONTEXT])
+    kinds = {"wedlm": lambda t: window_visibility(wedlm_filled(t))[None]}
+    if causal:
+        kinds["causal"] = lambda t: np.tri(t, dtype=bool)[None]
+    times: dict[str, dict[int, list[float]]] = {k: {t: [] for t in T_VALUES} for k in kinds}
+    for r in range(repeats + 1):  # round 0 is the warm-up; T interleaved within a round
+        for t in T_VALUES:
+            for kind, make in kinds.items():
+                tokens, windows = ids(t), make(t)
+                start = now()
+                mx.eval(window_forward(parts, kv, tokens, windows))
+                if r:
+                    times[kind][t].append(now() - start)
+    assert int(kv.lengths[0]) == CONTEXT
+    # The head alone on 1 vs WINDOW rows: a WeDLM step needs logits for W slots.
+    hidden = mx.random.normal((1, WINDOW, parts.config.hidden_size)).astype(parts.norm.weight.dtype)
+    for rows in (1, WINDOW):
+        times.setdefault("head", {})[rows] = []
+        for r in range(repeats + 1):
+            start = now()
+            mx.eval(parts.head(hidden[:, :rows]))
+            if r:
+                times["head"][rows].append(now() - start)
+    return {k: {t: statistics.median(v) for t, v in d.items()} for k, d in times.items()}
+
+
+def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bool) -> dict:
+    """One greedy request; stop ids disabled. With `bare`, before each decode step the
+    same window (same T, same context) is also run as a bare window forward."""
+    params = GenerationParams(mode=mode, window=WINDOW, max_tokens=n, temperature=0.0)
+    seq = engine.submit(prompt, params)
+    seq.params = dataclasses.replace(seq.params, extra_stop_ids=(), stop_ids=())
+    parts = engine.parts
+    prof = {"run": 0.0, "graph": 0.0}
+    run, fwd = engine._run, engine.pipeline.forward
+
+    def timed(key, fn):
+        def wrapper(*a):
+            start = now()
+            out = fn(*a)
+            prof[key] += now() - start
+            return out
+
+        return wrapper
+
+    engine._run, engine.pipeline.forward = timed("run", run), timed("graph", fwd)
+    steps, bares, widths, split = [], [], [], {"host": [], "graph": [], "rest": []}
+    t_first = None
+    try:
+        while not seq.finished:
+            decoding, before = seq.phase is Phase.DECODE, seq.forwards
+            plan = plan_next(seq, engine.config.mask_token_id, engine.prefill_chunk)
+            if bare and decoding:
+                win = window_visibility(plan.filled)[None]
+                start = now()
+                kv = seq_kv(engine, seq.seq_id)
+                mx.eval(window_forward(parts, kv, plan.tokens[None], win))
+                bare_t = now() - start
+            prof.update(run=0.0, graph=0.0)
+            start = now()
+            engine.step()
+            dt = now() - start
+            if decoding and seq.forwards > before:  # a tick that ran a forward
+                steps.append(dt)
+                widths.append(plan.width)
+                split["host"].append(dt - prof["run"])
+                split["graph"].append(prof["graph"])
+                split["rest"].append(prof["run"] - prof["graph"])
+                if bare:
+                    bares.append(bare_t)
+            if t_first is None and seq.output:
+                t_first = now()
+    finally:
+        del engine._run, engine.pipeline.forward
+    wall = now() - t_first  # includes the bare forwards when `bare`: not a decode rate then
+    out = {
+        "tokens": len(seq.output),
+        "forwards": seq.forwards,
+        "step_s": statistics.median(steps),
+        "forwards_per_s": len(steps) / sum(steps),
+        "tokens_per_forward": len(seq.output) / seq.forwards,
+        "median_T": statistics.median(widths),
+        **{f"step_{k}_s": statistics.median(v) for k, v in split.items()},
+    }
+    if not bare:
+        out["tps_after_first"] = (len(seq.output) - 1) / wall
+    else:
+        out["bare_forward_s"] = statistics.median(bares)
+        out["step_overhead"] = statistics.median(s / b for s, b in zip(steps, bares, strict=True))
+    return out
+
+
+def mlxlm_decode(model: nn.Module, prompt: list[int], n: int) -> dict:
+    """mlx-lm's own greedy loop (what stream_generate drives, minus detokenizing/EOS)."""
+    from mlx_lm.generate import generate_step
+
+    t_first, count = None, 0
+    for _token, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+        count += 1
+        if t_first is None:
+            t_first = now()
+    wall = now() - t_first
+    return {"tokens": count, "wall_after_first_s": wall, "tps_after_first": (count - 1) / wall}
+
+
+def seq_kv(engine: Engine, seq_id: int) -> KVRows:
+    """The KVRows holding this sequence (engine API with or without a KVStore)."""
+    pipe = engine.pipeline
+    return pipe.runner.store.rows_for([seq_id]) if hasattr(pipe, "runner") else pipe.kv
+
+
+def bench_decode(parts: ModelParts, mlm: nn.Module, repeats: int, n: int) -> dict:
+    try:
+        pipeline = LocalPipeline(parts)
+    except TypeError:  # the older per-row pipeline
+        pipeline = LocalPipeline(parts, 1)
+    engine = Engine(parts, pipeline, 1)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(100, 5000, 32)]
+    runs = {
+        "engine_ar": lambda: engine_decode(engine, prompt, "ar", n, bare=False),
+        "mlxlm": lambda: mlxlm_decode(mlm, prompt, n),
+        "engine_wedlm": lambda: engine_decode(engine, prompt, "wedlm", n, bare=True),
+        "engine_ar_bare": lambda: engine_decode(engine, prompt, "ar", n, bare=True),
+    }
+    res: dict[str, list[dict]] = {k: [] for k in runs}
+    for r in range(repeats + 1):  # ABC ABC ...; round 0 warms up
+        for k, fn in runs.items():
+            out = fn()
+            if r:
+                res[k].append(out)
+    med = {k: {f: statistics.median(o[f] for o in v) for f in v[0]} for k, v in res.items()}
+    med["engine_ar_runs_tps"] = [o["tps_after_first"] for o in res["engine_ar"]]
+    med["mlxlm_runs_tps"] = [o["tps_after_first"] for o in res["mlxlm"]]
+    return med
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    base = result["forward_ms"]["wedlm"]["1"]
+    for kind, d in result["forward_ms"].items():
+        if kind == "head":
+            continue
+        a.plot([int(t) for t in d], list(d.values()), "o-", label=f"{kind} window")
+    a.axhline(base, color="gray", ls=":", label="T=1 (AR)")
+    a.axhline(1.25 * base, color="red", ls="--", label="1.25 × T=1")
+    a.set_xscale("log", base=2)
+    a.set(
+        xlabel="window rows T", ylabel="forward ms (median)", title=f"forward at context {CONTEXT}"
+    )
+    a.legend()
+    d = result["decode"]
+    w = d["engine_wedlm"]
+    bars = {
+        "engine AR": d["engine_ar"]["tps_after_first"],
+        "mlx-lm": d["mlxlm"]["tps_after_first"],
+        "engine WeDLM\n(fwd/s × tok/fwd)": w["forwards_per_s"] * w["tokens_per_forward"],
+    }
+    b.bar(list(bars), list(bars.values()), color=["C0", "C1", "C2"])
+    b.set(ylabel="tokens/s", title="single-stream decode (greedy)")
+    fig.suptitle(f"{result['model']} on {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--layers", type=int, default=36, help="random-qwen3-8b only")
+    ap.add_argument("--hidden", type=int, default=4096, help="random-qwen3-8b only")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--no-causal", action="store_true", help="skip the causal-window series")
+    args = ap.parse_args()
+    if args.model == "random-qwen3-8b":
+        parts, mlm = random_qwen3(args.layers, args.hidden)
+    else:
+        parts = load_model_parts(resolve_model(args.model))
+        mlm = mlx_lm_model(parts)
+    import mlx_lm
+
+    try:
+        name = mx.device_info().get("device_name", "")
+    except Exception:  # not every backend reports it
+        name = ""
+    result = {
+        "model": args.model
+        if args.model != "random-qwen3-8b"
+        else f"random-qwen3-8b(layers={args.layers},hidden={args.hidden})",
+        "device": f"{mx.default_device()} {name}".strip(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "context": CONTEXT,
+        "repeats": args.repeats,
+        "tokens": args.tokens,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    fwd = bench_forward(parts, args.repeats, causal=not args.no_causal)
+    result["forward_ms"] = {k: {str(t): v * 1e3 for t, v in d.items()} for k, d in fwd.items()}
+    w = fwd["wedlm"]
+    result["ratio_16p"] = {str(t): w[t] / w[1] for t in (17, 20, 24)}
+    dec = bench_decode(parts, mlm, args.repeats, args.tokens)
+    result["decode"] = dec
+    result["ratios"] = {
+        "engine_ar_over_mlxlm": dec["engine_ar"]["tps_after_first"]
+        / dec["mlxlm"]["tps_after_first"],
+        "wedlm_step_overhead": dec["engine_wedlm"]["step_overhead"],
+        "wedlm_step_overhead_excl_head": (
+            dec["engine_wedlm"]["step_s"] - fwd["head"][WINDOW] + fwd["head"][1]
+        )
+        / dec["engine_wedlm"]["bare_forward_s"],
+        "ar_step_overhead": dec["engine_ar_bare"]["step_overhead"],
+        "ratio_16p_T17": result["ratio_16p"]["17"],
+    }
+    result["targets"] = {
+        "engine_ar_over_mlxlm": ">= 0.95",
+        "wedlm_step_overhead": "<= 1.10",
+        "ratio_16p": "<= 1.25",
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engine.json").write_text(json.dumps(result, indent=1))
+    try:
+        plot(result, args.out / "engine.png")
+    except ImportError:
+        result["plot"] = "matplotlib missing"
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Cluster authentication for calls between coordinator and workers.
+
+Each call carries `x-wedlm-auth: <unix time>:<nonce>:<hex HMAC-SHA256(secret, method|time|nonce)>`,
+so the secret never travels; a signature is valid for a short time and only for its method.
+Protocol version and model identity travel beside it and are checked by the receiver."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from collections import OrderedDict
+
+import grpc
+
+AUTH_KEY = "x-wedlm-auth"
+PROTOCOL_KEY = "x-wedlm-protocol"
+MODEL_KEY = "x-wedlm-model"
+MAX_SKEW_S = 120.0
+PROTOCOL_VERSION = 1
+
+
+def _sign(secret: str, method: str, stamp: str, nonce: str) -> str:
+    msg = f"{method}|{stamp}|{nonce}".encode()
+    return hmac.new(secret.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def auth_token(secret: str, method: str, now: float | None = None) -> str:
+    stamp = str(int(now if now is not None else time.time()))
+    nonce = secrets.token_hex(8)
+    return f"{stamp}:{nonce}:{_sign(secret, method, stamp, nonce)}"
+
+
+def call_metadata(secret: str | None, method: str, model_identity: str) -> list[tuple[str, str]]:
+    md = [(PROTOCOL_KEY, str(PROTOCOL_VERSION)), (MODEL_KEY, model_identity)]
+    if secret:
+        md.append((AUTH_KEY, auth_token(secret, method)))
+    return md
+
+
+class TokenChecker:
+    """Verifies tokens; remembers recent nonces so a captured token cannot be replayed."""
+
+    def __init__(self, secret: str | None, memory: int = 65536) -> None:
+        self.secret = secret
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._memory = memory
+
+    def check(self, token: str | None, method: str) -> str | None:
+        """None if the call may proceed, else the reason it may not."""
+        if not self.secret:
+            return None
+        if not token:
+            return "missing cluster credentials (x-wedlm-auth)"
+        try:
+            stamp, nonce, sig = token.split(":")
+            age = abs(time.time() - int(stamp))
+        except ValueError:
+            return "malformed cluster credentials"
+        if age > MAX_SKEW_S:
+            return "expired cluster credentials (check the clocks)"
+        if not hmac.compare_digest(sig, _sign(self.secret, method, stamp, nonce)):
+            return "wrong cluster secret"
+        if nonce in self._seen:
+            return "replayed cluster credentials"
+        self._seen[nonce] = time.time()
+        while len(self._seen) > self._memory:
+            self._seen.popitem(last=False)
+        return None
+
+
+def _abort_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
+    def abort(_request, context):
+        context.abort(code, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class ClusterAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses calls with bad credentials, another protocol version or another model.
+    The health service stays open so that load balancers and probes can use it."""
+
+    def __init__(self, secret: str | None, model_identity: str, open_prefixes=("/grpc.health",)):
+        self.checker = TokenChecker(secret)
+        self.model_identity = model_identity
+        self.open_prefixes = open_prefixes
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method.startswith(self.open_prefixes):
+            return handler
+        md = dict(details.invocation_metadata or ())
+        problem = self.checker.check(md.get(AUTH_KEY), details.method)
+        if problem:
+            return _abort_handler(handler, grpc.StatusCode.UNAUTHENTICATED, problem)
+        if md.get(PROTOCOL_KEY) != str(PROTOCOL_VERSION):
+            return _abort_handler(
+                handler,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol version {md.get(PROTOCOL_KEY)!r} is not this worker's "
+                f"{PROTOCOL_VERSION}",
+            )
+        model = md.get(MODEL_KEY)
+        if model is not None and model != self.model_identity:
+            return _abort_handler(
+                handler,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"model identity {model!r} differs from this worker's {self.model_identity!r}",
+            )
+        return handler

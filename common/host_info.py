@@ -1,0 +1,61 @@
+"""What a process can say about the machine it runs on: device, memory, a node name.
+Workers advertise these so the coordinator can plan layer ranges by memory."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import socket
+
+import mlx.core as mx
+import psutil
+
+
+def _mlx_device_info() -> dict:
+    try:
+        return dict(mx.device_info())
+    except (AttributeError, RuntimeError):  # older MLX, or no usable backend
+        return {}
+
+
+def _on_gpu() -> bool:
+    return mx.default_device().type == mx.gpu
+
+
+def device_description() -> str:
+    """E.g. "gpu: Apple M2 Max" or "cpu: AMD EPYC (Linux x86_64, 16 cores)"."""
+    info = _mlx_device_info()
+    if _on_gpu():
+        name = info.get("device_name") or info.get("architecture") or "unknown"
+        return f"gpu: {name}"
+    name = info.get("device_name") or platform.processor() or platform.machine() or "unknown"
+    cores = psutil.cpu_count(logical=True) or os.cpu_count() or 0
+    return f"cpu: {name} ({platform.system()} {platform.machine()}, {cores} cores)"
+
+
+def memory() -> tuple[int, int]:
+    """(total, available) bytes this process can fill with weights and KV.
+
+    On Apple silicon the GPU shares system memory but Metal caps one process at the
+    recommended working set, so that cap bounds both numbers.
+    """
+    vm = psutil.virtual_memory()
+    total, available = int(vm.total), int(vm.available)
+    if _on_gpu():
+        info = _mlx_device_info()
+        cap = info.get("max_recommended_working_set_size") or info.get("memory_size")
+        if cap:
+            in_use = mx.get_active_memory() if hasattr(mx, "get_active_memory") else 0
+            total = min(total, int(cap))
+            available = max(0, min(available, int(cap) - int(in_use)))
+    return total, available
+
+
+def node_id(port: int, name: str | None = None) -> str:
+    """A name stable for this host and port, usable as a DNS-SD instance label."""
+    if name:
+        return name
+    host = socket.gethostname().split(".")[0] or "worker"
+    host = re.sub(r"[^A-Za-z0-9-]+", "-", host).strip("-").lower() or "worker"
+    return f"{host}-{port}"

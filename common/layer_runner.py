@@ -1,0 +1,70 @@
+"""Runs one process's layer range over a batch of rows, keeping each sequence's KV.
+Used in-process by the single-machine engine and behind gRPC by every worker."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from common.errors import WedlmError
+from common.kv_store import KVStore
+from common.model_parts import ModelParts, run_layers
+from common.rows_spec import RowsSpec
+
+
+class RowsError(WedlmError):
+    """A forward request that does not fit this process's state; `code` names the gRPC status."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LayerRunner:
+    def __init__(self, parts: ModelParts) -> None:
+        self.parts = parts
+        self.store = KVStore(len(parts.layers))
+        self.max_positions = parts.config.max_position_embeddings
+
+    def check(self, spec: RowsSpec, hidden_shape: tuple[int, ...]) -> None:
+        b, t = spec.num_rows, spec.width
+        hidden = self.parts.config.hidden_size
+        if tuple(hidden_shape) != (b, t, hidden):
+            raise RowsError(
+                "INVALID_ARGUMENT",
+                f"hidden states have shape {tuple(hidden_shape)}, expected ({b}, {t}, {hidden})",
+            )
+        if len(set(spec.seq_ids)) != b:
+            raise RowsError("INVALID_ARGUMENT", "a sequence appears twice in one forward")
+        for arr, name in ((spec.starts, "starts"), (spec.widths, "widths"), (spec.keeps, "keeps")):
+            if arr.shape != (b,):
+                raise RowsError("INVALID_ARGUMENT", f"{name} must have one entry per row")
+        if ((spec.widths < 1) | (spec.widths > t)).any():
+            raise RowsError("INVALID_ARGUMENT", f"row widths must be in [1, {t}]")
+        if ((spec.keeps < 0) | (spec.keeps > spec.widths)).any():
+            raise RowsError("INVALID_ARGUMENT", "keep counts must be in [0, width]")
+        if (spec.starts < 0).any() or (spec.starts + spec.widths > self.max_positions).any():
+            raise RowsError(
+                "OUT_OF_RANGE", f"positions must stay within the context of {self.max_positions}"
+            )
+        for sid, start in zip(spec.seq_ids, spec.starts, strict=True):
+            have = self.store.length(sid)
+            if sid not in self.store and start != 0:
+                raise RowsError("NOT_FOUND", f"unknown sequence {sid} (its KV is not here)")
+            if have != start:
+                raise RowsError(
+                    "FAILED_PRECONDITION",
+                    f"sequence {sid} has {have} KV rows here, the request says {int(start)}",
+                )
+
+    def forward(self, spec: RowsSpec, hidden: mx.array) -> mx.array:
+        self.check(spec, hidden.shape)
+        kv = self.store.rows_for(spec.seq_ids)
+        out = run_layers(self.parts, hidden, kv, spec.windows())
+        kv.commit(spec.keeps)
+        return out
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.store.release(seq_ids)
+
+    def kv_bytes(self) -> int:
+        return sum(b.nbytes() for b in self.store.batches)

@@ -1,0 +1,1 @@
+"""Generated gRPC/protobuf stubs for proto/wedlm.proto (see regenerate.py)."""

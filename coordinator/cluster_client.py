@@ -1,0 +1,117 @@
+"""The public Python client of a wedlm-cluster coordinator.
+
+client = WedlmClient("127.0.0.1:50051")
+for event in client.generate_stream(text="Hello", params=GenerationParams(mode="ar")):
+    ...  # ("tokens", ids, text) as they commit, then ("final", result dict)
+result = client.generate(ids=[1, 2, 3])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from common.errors import WedlmError
+from common.proto_gen import wedlm_pb2 as pb
+from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from coordinator.generation_params import GenerationParams
+from coordinator.request_parsing import request_from_params
+
+
+class ClusterError(WedlmError):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+def final_dict(final: pb.Final) -> dict[str, Any]:
+    stats = final.stats
+    record = {
+        "tokens": list(final.tokens),
+        "text": final.text,
+        "finish_reason": final.finish_reason,
+        "prompt_tokens": stats.prompt_tokens,
+        "forwards": stats.forwards,
+        "tokens_per_forward": stats.tokens_per_forward,
+        "prefill_s": stats.prefill_s,
+        "decode_s": stats.decode_s,
+        "decode_tokens_per_s": (len(final.tokens) / stats.decode_s) if stats.decode_s else None,
+    }
+    if final.error:
+        record["error"] = final.error
+    return record
+
+
+class WedlmClient:
+    def __init__(self, address: str, timeout: float = 600.0) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> WedlmClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method: str, request, timeout: float | None = None):
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise ClusterError(e.code(), e.details() or "") from None
+
+    def generate_stream(
+        self,
+        text: str | None = None,
+        ids: list[int] | None = None,
+        chat: bool = False,
+        params: GenerationParams | None = None,
+    ) -> Iterator[tuple]:
+        req = request_from_params(params or GenerationParams(), text, ids, chat)
+        try:
+            for event in self.stub.Generate(req, timeout=self.timeout):
+                if event.WhichOneof("event") == "tokens":
+                    yield ("tokens", list(event.tokens.ids), event.tokens.text)
+                else:
+                    yield ("final", final_dict(event.final))
+        except grpc.RpcError as e:
+            raise ClusterError(e.code(), e.details() or "") from None
+
+    def generate(self, text=None, ids=None, chat=False, params=None) -> dict[str, Any]:
+        final = None
+        for event in self.generate_stream(text, ids, chat, params):
+            if event[0] == "final":
+                final = event[1]
+        if final is None:
+            raise ClusterError(grpc.StatusCode.UNKNOWN, "the stream ended without a result")
+        return final
+
+    def submit(self, text=None, ids=None, chat=False, params=None) -> str:
+        req = request_from_params(params or GenerationParams(), text, ids, chat)
+        return self._call("Submit", req).job_id
+
+    def get_job(self, job_id: str) -> pb.Job:
+        return self._call("GetJob", pb.JobRef(job_id=job_id))
+
+    def wait_job(self, job_id: str, timeout_s: float = 0.0) -> pb.Job:
+        limit = (timeout_s + 5.0) if timeout_s else self.timeout
+        return self._call("WaitJob", pb.WaitJobRequest(job_id=job_id, timeout_s=timeout_s), limit)
+
+    def cancel_job(self, job_id: str) -> pb.Job:
+        return self._call("CancelJob", pb.JobRef(job_id=job_id))
+
+    def cluster_status(self) -> pb.ClusterStatusReply:
+        return self._call("ClusterStatus", pb.ClusterStatusRequest(), 10.0)
+
+    def model_info(self) -> pb.ModelInfoReply:
+        return self._call("ModelInfo", pb.ModelInfoRequest(), 10.0)
+
+    def status_dict(self) -> dict[str, Any]:
+        return MessageToDict(self.cluster_status(), preserving_proto_field_name=True)

@@ -1,0 +1,97 @@
+"""Jobs: one per accepted request, whether it came through Generate (streamed) or Submit
+(polled). The engine thread publishes commits; gRPC threads read or wait on them."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.generation_params import GenerationParams
+
+TERMINAL = ("done", "cancelled", "failed")
+
+
+@dataclass
+class Job:
+    job_id: str
+    prompt: list[int]
+    params: GenerationParams
+    created_at: float = field(default_factory=time.time)
+    state: str = "queued"
+    tokens: list[int] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    seq_id: int | None = None
+    _listeners: list[queue.Queue] = field(default_factory=list, repr=False)
+    _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in TERMINAL
+
+    def listen(self) -> queue.Queue:
+        """A queue receiving ("tokens", ids, text) and finally ("final", result)."""
+        q: queue.Queue = queue.Queue()
+        with self._cond:
+            if self.tokens:
+                q.put(("tokens", list(self.tokens), None))
+            if self.result is not None:
+                q.put(("final", self.result))
+            else:
+                self._listeners.append(q)
+        return q
+
+    def publish(self, ids: list[int], text: str) -> None:
+        with self._cond:
+            self.state = "running"
+            self.tokens.extend(ids)
+            for q in self._listeners:
+                q.put(("tokens", ids, text))
+
+    def finish(self, state: str, result: dict[str, Any]) -> None:
+        with self._cond:
+            if self.finished:
+                return
+            self.state = state
+            self.result = result
+            for q in self._listeners:
+                q.put(("final", result))
+            self._listeners.clear()
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.finished, timeout=timeout)
+
+
+class JobRegistry:
+    def __init__(self, keep_finished: int = 10_000) -> None:
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+        self._keep = keep_finished
+        self._order = itertools.count()
+
+    def create(self, prompt: list[int], params: GenerationParams) -> Job:
+        job = Job(uuid.uuid4().hex, prompt, params)
+        with self._lock:
+            self._jobs[job.job_id] = job
+            self._trim()
+        return job
+
+    def get(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            states = [j.state for j in self._jobs.values()]
+        return {s: states.count(s) for s in ("queued", "running")}
+
+    def _trim(self) -> None:
+        done = [j for j in self._jobs.values() if j.finished]
+        for j in sorted(done, key=lambda j: j.created_at)[: max(0, len(done) - self._keep)]:
+            del self._jobs[j.job_id]

@@ -1,0 +1,248 @@
+"""Which worker holds which layers.
+
+Workers started with `--layers` keep their ranges. The layers they leave free (the gaps) go to
+the workers without a range, in proportion to memory. With no fixed worker the whole model is
+one gap.
+
+The rule for mixing fixed and free workers:
+- fixed ranges must lie inside the model and must not overlap;
+- with no free worker, every gap is an error; with free workers but no gap, that is an error too
+  (a worker nobody needs is probably a mistake in the layer flags);
+- the free workers, in the order given, are cut into consecutive groups, one group per gap in
+  layer order, and each group splits its gap. Every free worker gets at least one layer and
+  holds one contiguous range, so there must be at least one free worker per gap and at most one
+  per free layer. Of the groupings that fit in memory the planner takes the one whose most
+  loaded group (layers per byte of memory) is least loaded, the earliest on ties.
+
+Memory: a layer costs `layer_bytes` of weights plus `kv_bytes_per_layer` of KV reserve, so a
+worker has room for `available_bytes // (layer_bytes + kv_bytes_per_layer)` layers. Within that
+limit, shares follow available memory, which is the same as following usable memory after the
+per-layer KV reserve: every worker is left the same room for KV per layer it holds. Fixed
+workers are not checked against memory: they loaded their layers already.
+
+Deterministic: the given order of the free workers is the pipeline order of their ranges, so the
+caller decides it (a static list first, then the discovered workers sorted by address, say).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cache
+
+from common.errors import WedlmError
+from common.layer_range import LayerRange
+
+
+@dataclass(frozen=True)
+class WorkerCapacity:
+    key: str  # address or node id: names the worker in the plan and in messages
+    available_bytes: int  # memory it can give to weights and KV (not counting fixed layers)
+    fixed: LayerRange | None = None  # the range it was started with (`--layers`)
+
+
+class PlanError(WedlmError):
+    """No plan exists for these workers; the message names the workers and layers at fault."""
+
+
+def plan_layers(
+    num_layers: int,
+    workers: list[WorkerCapacity],
+    layer_bytes: int,
+    kv_bytes_per_layer: int,
+) -> dict[str, LayerRange]:
+    """Map each worker's key to its range; the ranges tile 0..num_layers-1 exactly and the
+    dict is ordered by layer (pipeline order)."""
+    if num_layers < 1 or layer_bytes < 1 or kv_bytes_per_layer < 0:
+        raise ValueError(f"bad model sizes: {num_layers} layers of {layer_bytes} bytes")
+    if not workers:
+        raise PlanError(f"no worker to hold the model's {num_layers} layers")
+    keys = [w.key for w in workers]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise PlanError(f"worker {', '.join(twice)} is listed twice")
+
+    fixed = [w for w in workers if w.fixed is not None]
+    free = [w for w in workers if w.fixed is None]
+    problems = _fixed_problems(num_layers, fixed)
+    gaps = _gaps(num_layers, fixed)
+    if not free:
+        problems += [f"{_span(g.start, g.end)} held by no worker" for g in gaps]
+    if problems:
+        raise PlanError("; ".join(problems))
+
+    plan = {w.key: w.fixed for w in fixed if w.fixed is not None}
+    if free:
+        plan.update(_fill(num_layers, gaps, free, layer_bytes, kv_bytes_per_layer, bool(fixed)))
+    return dict(sorted(plan.items(), key=lambda item: item[1].start))
+
+
+def _fixed_problems(num_layers: int, fixed: list[WorkerCapacity]) -> list[str]:
+    problems = []
+    ranged = sorted((w.fixed, w.key) for w in fixed if w.fixed is not None)
+    for rng, key in ranged:
+        if rng.end >= num_layers:
+            problems.append(
+                f"worker {key} holds {rng} but the model has {num_layers} layers "
+                f"(0-{num_layers - 1})"
+            )
+    for i, (a, key_a) in enumerate(ranged):
+        for b, key_b in ranged[i + 1 :]:
+            lo, hi = max(a.start, b.start), min(a.end, b.end, num_layers - 1)
+            if lo <= hi:
+                problems.append(f"{_span(lo, hi)} held by both {key_a} and {key_b}")
+    return problems
+
+
+def _gaps(num_layers: int, fixed: list[WorkerCapacity]) -> list[LayerRange]:
+    held = [False] * num_layers
+    for w in fixed:
+        if w.fixed is not None:
+            for layer in range(w.fixed.start, min(w.fixed.end, num_layers - 1) + 1):
+                held[layer] = True
+    gaps, start = [], None
+    for layer, is_held in enumerate([*held, True]):
+        if not is_held and start is None:
+            start = layer
+        elif is_held and start is not None:
+            gaps.append(LayerRange(start, layer - 1))
+            start = None
+    return gaps
+
+
+def _fill(
+    num_layers: int,
+    gaps: list[LayerRange],
+    free: list[WorkerCapacity],
+    layer_bytes: int,
+    kv_bytes_per_layer: int,
+    mixed: bool,
+) -> dict[str, LayerRange]:
+    names = ", ".join(w.key for w in free)
+    plural = "s" if len(free) > 1 else ""
+    who = f"{len(free)} worker{plural}" + (f" without --layers ({names})" if mixed else "")
+    if not gaps:
+        raise PlanError(
+            f"{who} got no layer: the workers started with --layers already hold "
+            f"all {num_layers} layers (0-{num_layers - 1})"
+        )
+    free_layers = sum(len(g) for g in gaps)
+    where = ", ".join(str(g) for g in gaps)
+    what = (
+        f"the {free_layers} layers left free ({where})"
+        if mixed
+        else f"the model's {num_layers} layers"
+    )
+    if len(free) > free_layers:
+        pool = f"only {free_layers} free layers ({where})" if mixed else f"{num_layers} layers"
+        raise PlanError(f"{who} but the model has {pool}: each worker needs at least one layer")
+    if len(free) < len(gaps):
+        raise PlanError(
+            f"{_span_list(gaps)} held by no worker, and {who} cannot cover {len(gaps)} separate "
+            "gaps: each takes one contiguous range"
+        )
+    per_layer = layer_bytes + kv_bytes_per_layer
+    room = [w.available_bytes // per_layer for w in free]
+    for w, fits in zip(free, room, strict=True):
+        if fits < 1:
+            raise PlanError(
+                f"worker {w.key} has room for no layer: {_size(w.available_bytes)} available, "
+                f"one layer needs {_size(layer_bytes)} plus {_size(kv_bytes_per_layer)} of KV "
+                "reserve"
+            )
+    if sum(room) < free_layers:
+        missing = free_layers - sum(room)
+        raise PlanError(
+            f"{what} do not fit: they need {_size(free_layers * per_layer)} "
+            f"({_size(layer_bytes)} of weights and {_size(kv_bytes_per_layer)} of KV reserve "
+            f"each) but {who} can hold only {sum(room)}; about {_size(missing * per_layer)} "
+            f"more memory ({missing} layers' worth) is missing"
+        )
+    memory = [w.available_bytes for w in free]
+    sizes = _group(tuple(len(g) for g in gaps), tuple(memory), tuple(room))
+    if sizes is None:
+        raise PlanError(
+            f"no way to split {who} into consecutive groups, one per gap ({where}), that fits "
+            "each gap in its group's memory; reorder the workers or change their --layers"
+        )
+    plan, first = {}, 0
+    for gap, size in zip(gaps, sizes, strict=True):
+        workers = range(first, first + size)
+        shares = _apportion(len(gap), [memory[i] for i in workers], [room[i] for i in workers])
+        start = gap.start
+        for i, share in zip(workers, shares, strict=True):
+            plan[free[i].key] = LayerRange(start, start + share - 1)
+            start += share
+        first += size
+    return plan
+
+
+def _group(gaps: tuple[int, ...], memory: tuple[int, ...], room: tuple[int, ...]):
+    """Sizes of consecutive worker groups, one per gap, minimising the largest layers-per-byte
+    of any group; None when no grouping fits."""
+
+    @cache
+    def best(gap: int, first: int) -> tuple[Fraction, tuple[int, ...]] | None:
+        if gap == len(gaps):
+            return (Fraction(0), ()) if first == len(memory) else None
+        found = None
+        last = len(memory) - (len(gaps) - gap - 1)  # leave a worker for each later gap
+        for end in range(first + 1, min(last, first + gaps[gap]) + 1):
+            if sum(room[first:end]) < gaps[gap] or (rest := best(gap + 1, end)) is None:
+                continue
+            load = max(Fraction(gaps[gap], sum(memory[first:end])), rest[0])
+            if found is None or load < found[0]:
+                found = (load, (end - first, *rest[1]))
+        return found
+
+    result = best(0, 0)
+    return None if result is None else list(result[1])
+
+
+def _apportion(total: int, weights: list[int], caps: list[int]) -> list[int]:
+    """Split `total` in proportion to `weights`, each share between 1 and its cap, by
+    largest remainder (ties to the earlier worker). Needs len <= total <= sum(caps)."""
+    quotas = _quotas(total, weights, caps)
+    shares = [q.numerator // q.denominator for q in quotas]
+    by_remainder = sorted(range(len(quotas)), key=lambda i: (shares[i] - quotas[i], i))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1  # a fractional quota is below its integer cap, so this stays in bounds
+    return shares
+
+
+def _quotas(total: int, weights: list[int], caps: list[int]) -> list[Fraction]:
+    """Exact quotas clip(lam * weight, 1, cap) summing to `total`: the sum is piecewise linear
+    and nondecreasing in lam, so find the piece that holds `total` and solve on it."""
+    pairs = list(zip(weights, caps, strict=True))
+
+    def at(lam: Fraction) -> list[Fraction]:
+        return [min(max(lam * w, Fraction(1)), Fraction(c)) for w, c in pairs]
+
+    bends = sorted({Fraction(1, w) for w, _ in pairs} | {Fraction(c, w) for w, c in pairs})
+    lo = Fraction(0)
+    hi = bends[-1]
+    for bend in bends:
+        if sum(at(bend)) >= total:
+            hi = bend
+            break
+        lo = bend
+    f_lo, f_hi = sum(at(lo)), sum(at(hi))
+    lam = lo if f_hi == f_lo else lo + (hi - lo) * (total - f_lo) / (f_hi - f_lo)
+    return at(lam)
+
+
+def _span(lo: int, hi: int) -> str:
+    return f"layer {lo} is" if lo == hi else f"layers {lo}-{hi} are"
+
+
+def _span_list(gaps: list[LayerRange]) -> str:
+    if len(gaps) == 1:
+        return _span(gaps[0].start, gaps[0].end)
+    return "layers " + ", ".join(str(g) for g in gaps) + " are"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

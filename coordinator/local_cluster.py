@@ -1,0 +1,112 @@
+"""`wedlm-coordinator local`: a whole cluster on this machine. Worker processes start on
+127.0.0.1 and advertise over Bonjour on loopback; the coordinator finds them there, plans
+their layers, answers the prompt (if one is given) and stops everything afterwards."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from common.errors import WedlmError
+from coordinator.client_cli import params_from_args
+from coordinator.cluster_client import WedlmClient
+from coordinator.local_engine import resolve_model
+from coordinator.server import CoordinatorServer, ServeOptions
+
+START_TIMEOUT_S = 600.0
+
+
+def start_worker(model: Path, cluster: str, secret: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "shard_worker.cli",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--cluster",
+        cluster,
+    ]
+    env = {**os.environ, "WEDLM_SECRET": secret}  # not on the command line, where ps shows it
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _await_listening(proc: subprocess.Popen) -> str:
+    line = proc.stdout.readline()
+    if not line:
+        err = proc.stderr.read()
+        raise WedlmError(f"a worker failed to start: {err.strip().splitlines()[-1:] or '?'}")
+    return line.strip()
+
+
+def run_local(args: argparse.Namespace) -> int:
+    model = resolve_model(args.model)
+    cluster = f"local-{secrets.token_hex(4)}"  # never join or take workers of another cluster
+    secret = args.secret or secrets.token_hex(16)
+    logs = Path(tempfile.mkdtemp(prefix="wedlm-local-"))
+    procs = [
+        start_worker(model, cluster, secret, logs / f"worker-{i}.log") for i in range(args.workers)
+    ]
+    server = None
+    try:
+        for i, proc in enumerate(procs):
+            print(_await_listening(proc, logs / f"worker-{i}.log"), file=sys.stderr, flush=True)
+        opts = ServeOptions(
+            model=model,
+            host="127.0.0.1",
+            port=args.port,
+            cluster=cluster,
+            secret=secret,
+            expect=args.workers,
+            max_running=args.max_running,
+            wait_timeout_s=args.wait_timeout,
+            kv_reserve_tokens=args.kv_reserve_tokens,
+        )
+        server = CoordinatorServer(opts)
+        server.start()
+        server.ready.wait(START_TIMEOUT_S)
+        if server.failed or not server.ready.is_set():
+            raise WedlmError(server.failed or "the workers were not found in time")
+        address = f"127.0.0.1:{server.port}"
+        layout = ", ".join(f"{e.address} [{e.layers}]" for e in server.entries if e.layers)
+        print(f"local cluster {cluster} at {address}: {layout}", file=sys.stderr, flush=True)
+        if args.prompt or args.prompt_ids:
+            _answer(address, args)
+        if args.keep_running:
+            print(f"serving on {address}; Ctrl-C stops", file=sys.stderr, flush=True)
+            threading.Event().wait()
+        return 0
+    finally:
+        if server is not None:
+            server.stop(1.0)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _answer(address: str, args: argparse.Namespace) -> None:
+    params = params_from_args(args)
+    ids = list(args.prompt_ids) if args.prompt_ids else None
+    with WedlmClient(address) as client:
+        final = {}
+        for event in client.generate_stream(args.prompt, ids, args.chat, params):
+            if event[0] == "tokens" and not args.json and event[2]:
+                sys.stdout.write(event[2])
+                sys.stdout.flush()
+            elif event[0] == "final":
+                final = event[1]
+    print(json.dumps(final) if args.json else "", flush=True)

@@ -1,0 +1,59 @@
+"""`wedlm-coordinator serve --config cluster.toml`: the same settings as the flags, in a
+file (see deploy/cluster.example.toml). Flags given on the command line win."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from common.errors import WedlmError
+
+# key → (type, description) ; every key is optional
+KEYS: dict[str, tuple[type, str]] = {
+    "model": (str, "model folder or 'default'"),
+    "host": (str, "address to listen on"),
+    "port": (int, "port"),
+    "cluster": (str, "cluster name"),
+    "secret_file": (str, "file holding the cluster secret"),
+    "workers": (list, "static worker addresses HOST:PORT"),
+    "expect": (int, "workers to wait for"),
+    "bonjour": (bool, "find workers over Bonjour"),
+    "max_running": (int, "sequences decoded at once"),
+    "kv_reserve_tokens": (int, "KV tokens reserved per worker when planning"),
+    "wait_timeout": (float, "seconds to wait for workers"),
+}
+
+
+def load_serve_config(path: str | Path) -> dict[str, Any]:
+    path = Path(path).expanduser()
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise WedlmError(f"config file {path} not found") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise WedlmError(f"{path}: not valid TOML: {e}") from None
+    section = data.get("coordinator", data)
+    out: dict[str, Any] = {}
+    for key, value in section.items():
+        if key not in KEYS:
+            raise WedlmError(f"{path}: unknown setting {key!r} (known: {', '.join(KEYS)})")
+        kind, what = KEYS[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise WedlmError(f"{path}: {key} ({what}) must be a {kind.__name__}, got {value!r}")
+        if key == "workers" and not all(isinstance(w, str) and ":" in w for w in value):
+            raise WedlmError(f'{path}: workers must be a list of "HOST:PORT" strings')
+        if kind in (int, float) and value <= 0 and key != "port":
+            raise WedlmError(f"{path}: {key} must be positive, got {value}")
+        out[key] = value
+    if "secret_file" in out:
+        secret_path = Path(out.pop("secret_file")).expanduser()
+        try:
+            out["secret"] = secret_path.read_text().strip()
+        except OSError as e:
+            raise WedlmError(f"{path}: cannot read secret_file {secret_path}: {e}") from None
+        if not out["secret"]:
+            raise WedlmError(f"{path}: secret_file {secret_path} is empty")
+    return out

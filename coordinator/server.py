@@ -1,0 +1,160 @@
+"""`wedlm-coordinator serve`: load the model's ends and tokenizer, start the gRPC service,
+find and verify workers, plan and assign layers, then start the engine thread."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.errors import WedlmError
+from common.model_parts import load_model_parts
+from common.proto_gen import wedlm_pb2 as pb
+from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from common.tokenizer import Tokenizer
+from coordinator.cluster_setup import WorkerEntry, assemble, pipeline_links
+from coordinator.discovery import WorkerBrowser, parse_static, wait_for_workers
+from coordinator.engine import Engine
+from coordinator.engine_loop import EngineLoop
+from coordinator.jobs import JobRegistry
+from coordinator.remote_pipeline import RemotePipeline
+from coordinator.servicer import CoordinatorServicer
+from coordinator.worker_link import MESSAGE_LIMIT
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeOptions:
+    model: Path
+    host: str = "127.0.0.1"
+    port: int = 50051
+    cluster: str = "default"
+    secret: str | None = None
+    workers: list[str] = field(default_factory=list)
+    expect: int = 1
+    bonjour: bool = True
+    max_running: int = 16
+    wait_timeout_s: float = 600.0
+    kv_reserve_tokens: int = 32768
+
+
+class _NotReady:
+    def forward(self, spec, hidden):
+        raise WedlmError("no workers are planned yet")
+
+    def release(self, seq_ids):
+        pass
+
+
+class CoordinatorServer:
+    def __init__(self, opts: ServeOptions) -> None:
+        self.opts = opts
+        self.tokenizer = Tokenizer(opts.model)
+        ends = load_model_parts(opts.model, with_layers=False)
+        self.config = ends.config
+        self.engine = Engine(
+            ends,
+            _NotReady(),
+            opts.max_running,
+            text_tail=self.tokenizer.decode,
+            stop_ids=self.tokenizer.stop_ids,
+        )
+        self.jobs = JobRegistry()
+        self.loop: EngineLoop | None = None
+        self.state = "waiting-for-workers"
+        self.entries: list[WorkerEntry] = []
+        self.browser: WorkerBrowser | None = None
+        self.health = health.HealthServicer()
+        self.ready = threading.Event()
+        self.failed: str | None = None
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=64),
+            options=[
+                ("grpc.max_send_message_length", MESSAGE_LIMIT),
+                ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+            ],
+        )
+        servicer = CoordinatorServicer(
+            self.engine,
+            self.tokenizer,
+            self.jobs,
+            lambda: self.loop,
+            self.cluster_status,
+            opts.model.name,
+        )
+        pb_grpc.add_CoordinatorServicer_to_server(servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self.server.add_insecure_port(f"{opts.host}:{opts.port}")
+        if self.port == 0:
+            raise WedlmError(f"cannot listen on {opts.host}:{opts.port}")
+
+    def start(self) -> None:
+        self.server.start()
+        threading.Thread(target=self._assemble, name="planner", daemon=True).start()
+
+    def _assemble(self) -> None:
+        opts = self.opts
+        try:
+            static = parse_static(opts.workers)
+            if opts.bonjour:
+                loopback = opts.host in ("127.0.0.1", "localhost")
+                self.browser = WorkerBrowser(cluster=opts.cluster, loopback_only=loopback)
+                self.browser.start()
+            found = wait_for_workers(self.browser, static, opts.expect, opts.wait_timeout_s)
+            self.state = "planning"
+            self.entries = assemble(
+                found, self.config, opts.secret, opts.cluster, opts.kv_reserve_tokens
+            )
+            links = pipeline_links(self.entries)
+            self.engine.pipeline = RemotePipeline(links)
+            self.loop = EngineLoop(self.engine, self.tokenizer)
+            self.loop.start()
+            self.state = "serving"
+            self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        except (WedlmError, OSError) as e:
+            self.failed = str(e)
+            self.state = "failed"
+            log.error("%s", e)
+        finally:
+            self.ready.set()
+
+    def cluster_status(self) -> pb.ClusterStatusReply:
+        reply = pb.ClusterStatusReply(
+            cluster=self.opts.cluster,
+            state=self.state,
+            model_identity=self.config.identity,
+            running=len(self.engine.running),
+            queued=len(self.engine.waiting),
+        )
+        for e in self.entries:
+            status = reply.workers.add(
+                address=e.address, source=e.source, health=e.health, detail=e.detail
+            )
+            if e.info is not None:
+                status.info.CopyFrom(e.info)
+            if e.link is not None and e.link.stats.roundtrip_s:
+                status.timing.compute_s = statistics.median(e.link.stats.compute_s)
+                status.timing.roundtrip_s = statistics.median(e.link.stats.roundtrip_s)
+        if self.browser is not None:
+            for name, reason in self.browser.rejected():
+                reply.workers.add(address=name, source="bonjour", health="rejected", detail=reason)
+        return reply
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait()
+        if self.loop is not None:
+            self.loop.stop()
+        if self.browser is not None:
+            self.browser.close()
+        for e in self.entries:
+            if e.link is not None:
+                e.link.close()

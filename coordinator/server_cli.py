@@ -1,0 +1,150 @@
+"""`wedlm-coordinator`: `serve` runs the coordinator of a cluster; `local` starts a whole
+cluster on this machine (workers + coordinator on 127.0.0.1, found over Bonjour on
+loopback) and answers one prompt."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence as Seq
+from pathlib import Path
+
+from common.errors import WedlmError
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    p.add_argument("--model", required=model_required, help="model folder, or 'default'")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=50051, help="port (0 = any free port)")
+    p.add_argument("--cluster", default="default", help="cluster name (workers must match)")
+    p.add_argument("--secret", default=os.environ.get("WEDLM_SECRET"), help="cluster secret")
+    p.add_argument("--max-running", type=_positive, default=16)
+    p.add_argument("--kv-reserve-tokens", type=_positive, default=32768)
+    p.add_argument("--wait-timeout", type=float, default=600.0, help="seconds to find workers")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="wedlm-coordinator", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the coordinator of a cluster")
+    serve.add_argument("--config", help="a TOML file of settings (deploy/cluster.example.toml)")
+    add_serve_flags(serve, model_required=False)
+    serve.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a worker to use besides those found over Bonjour (repeatable)",
+    )
+    serve.add_argument("--expect", type=_positive, default=1, help="wait for N workers")
+    serve.add_argument("--no-bonjour", action="store_true", help="use only --worker")
+    serve.set_defaults(subparser=serve)
+    local = sub.add_parser("local", help="start a local cluster and answer one prompt")
+    local.add_argument("--workers", type=_positive, default=2)
+    local.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="keep serving after the prompt (Ctrl-C stops everything)",
+    )
+    from coordinator.client_cli import add_generation_flags
+
+    add_serve_flags(local)
+    local.set_defaults(port=0)
+    add_generation_flags(local, prompt_required=False)
+    return parser
+
+
+def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Settings from --config fill in whatever the command line left at its default."""
+    if args.config:
+        from coordinator.serve_config import load_serve_config
+
+        for key, value in load_serve_config(args.config).items():
+            if key == "bonjour":
+                args.no_bonjour = args.no_bonjour or not value
+            elif key == "workers":
+                args.worker = args.worker or value
+            elif getattr(args, key) == parser.get_default(key) or getattr(args, key) is None:
+                setattr(args, key, value)
+    if not args.model:
+        raise WedlmError("--model is required (on the command line or in --config)")
+
+
+def serve(args: argparse.Namespace) -> int:
+    from coordinator.local_engine import resolve_model
+    from coordinator.server import CoordinatorServer, ServeOptions
+
+    opts = ServeOptions(
+        model=resolve_model(args.model),
+        host=args.host,
+        port=args.port,
+        cluster=args.cluster,
+        secret=args.secret,
+        workers=args.worker,
+        expect=args.expect,
+        bonjour=not args.no_bonjour,
+        max_running=args.max_running,
+        wait_timeout_s=args.wait_timeout,
+        kv_reserve_tokens=args.kv_reserve_tokens,
+    )
+    server = CoordinatorServer(opts)
+    server.start()
+    print(f"wedlm-coordinator listening on {args.host}:{server.port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.ready.wait()
+    if server.failed:
+        server.stop(0)
+        raise WedlmError(server.failed)
+    layout = ", ".join(f"{e.address} [{e.layers}]" for e in server.entries if e.layers)
+    print(f"wedlm-coordinator serving {Path(opts.model).name}: {layout}", flush=True)
+    stop.wait()
+    server.stop()
+    return 0
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            apply_config(args, args.subparser)
+            return serve(args)
+        from coordinator.local_cluster import run_local
+
+        return run_local(args)
+    except WedlmError as e:
+        print(f"wedlm-coordinator: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The client-facing gRPC service. It translates and validates, then hands work to the
+engine thread; no decoding happens here."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from common.errors import CheckpointError, InvalidRequest
+from common.proto_gen import wedlm_pb2 as pb
+from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from common.tokenizer import Tokenizer
+from coordinator.engine import Engine
+from coordinator.engine_loop import EngineLoop
+from coordinator.jobs import Job, JobRegistry
+from coordinator.request_parsing import params_from_request, prompt_from_request
+
+MAX_WAIT_S = 3600.0
+
+
+def final_message(result: dict) -> pb.Final:
+    stats = pb.GenerationStats(
+        prompt_tokens=result["prompt_tokens"],
+        completion_tokens=len(result["tokens"]),
+        forwards=result["forwards"],
+        tokens_per_forward=result["tokens_per_forward"],
+        prefill_s=result["prefill_s"],
+        decode_s=result["decode_s"],
+    )
+    return pb.Final(
+        finish_reason=result["finish_reason"] or "",
+        tokens=result["tokens"],
+        text=result["text"],
+        stats=stats,
+        error=result.get("error", ""),
+    )
+
+
+def job_message(job: Job) -> pb.Job:
+    msg = pb.Job(
+        job_id=job.job_id,
+        state=job.state,
+        committed_tokens=len(job.tokens),
+        created_at=job.created_at,
+    )
+    if job.result is not None:
+        msg.result.CopyFrom(final_message(job.result))
+    return msg
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        jobs: JobRegistry,
+        loop: Callable[[], EngineLoop | None],
+        cluster_status: Callable[[], pb.ClusterStatusReply],
+        model_name: str,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.jobs = jobs
+        self.loop = loop  # None until the workers are planned
+        self.cluster_status = cluster_status
+        self.model_name = model_name
+
+    # ---- helpers ---------------------------------------------------------------------
+    def _accept(self, request: pb.GenerateRequest, context) -> Job:
+        loop = self.loop()
+        if loop is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the cluster is not ready (no workers yet)")
+        try:
+            params = params_from_request(request)
+            prompt = prompt_from_request(request, self.tokenizer)
+            self.engine.validate_prompt(prompt, params)
+        except (InvalidRequest, CheckpointError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        job = self.jobs.create(prompt, params)
+        loop.submit(job)
+        return job
+
+    def _job(self, job_id: str, context) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no job {job_id!r}")
+        return job
+
+    # ---- RPCs ----------------------------------------------------------------------
+    def Generate(self, request, context) -> Iterator[pb.GenerateEvent]:
+        job = self._accept(request, context)
+        events = job.listen()
+        context.add_callback(lambda: job.finished or self.loop().cancel(job))
+        while True:
+            try:
+                item = events.get(timeout=1.0)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            if item[0] == "tokens":
+                yield pb.GenerateEvent(tokens=pb.TokenChunk(ids=item[1], text=item[2] or ""))
+            else:
+                yield pb.GenerateEvent(final=final_message(item[1]))
+                return
+
+    def Submit(self, request, context) -> pb.JobRef:
+        return pb.JobRef(job_id=self._accept(request, context).job_id)
+
+    def GetJob(self, request, context) -> pb.Job:
+        return job_message(self._job(request.job_id, context))
+
+    def WaitJob(self, request, context) -> pb.Job:
+        job = self._job(request.job_id, context)
+        if request.timeout_s < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "timeout_s must be >= 0")
+        limit = request.timeout_s or MAX_WAIT_S
+        remaining = context.time_remaining()
+        if remaining is not None:
+            limit = min(limit, max(remaining - 0.05, 0.0))
+        deadline = time.monotonic() + limit
+        while not job.finished and time.monotonic() < deadline and context.is_active():
+            job.wait(min(1.0, max(deadline - time.monotonic(), 0.0)))
+        return job_message(job)
+
+    def CancelJob(self, request, context) -> pb.Job:
+        job = self._job(request.job_id, context)
+        loop = self.loop()
+        if not job.finished and loop is not None:
+            loop.cancel(job)
+            job.wait(5.0)
+        return job_message(job)
+
+    def ClusterStatus(self, request, context) -> pb.ClusterStatusReply:
+        return self.cluster_status()
+
+    def ModelInfo(self, request, context) -> pb.ModelInfoReply:
+        cfg = self.engine.config
+        return pb.ModelInfoReply(
+            model_name=self.model_name,
+            model_type=cfg.model_type,
+            model_identity=cfg.identity,
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            mask_token_id=cfg.mask_token_id,
+            eos_token_ids=list(self.engine.model_stop_ids),
+            has_chat_template=self.tokenizer.has_chat_template,
+        )

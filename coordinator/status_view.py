@@ -1,0 +1,34 @@
+"""A readable table of `ClusterStatus` for `wedlm status`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _gib(value: Any) -> str:
+    return f"{int(value or 0) / 2**30:.1f}"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = [
+        f"cluster {status.get('cluster', '')}: {status.get('state', '')}, "
+        f"{status.get('running', 0)} running, {status.get('queued', 0)} queued",
+        f"{'worker':24} {'layers':8} {'health':12} {'device':24} {'mem GiB':>9} {'hop ms':>7}",
+    ]
+    for w in status.get("workers", []):
+        info = w.get("info", {})
+        layers = (
+            f"{info.get('layer_start', 0)}-{info.get('layer_end', 0)}"
+            if info.get("has_layers")
+            else "-"
+        )
+        hop = w.get("timing", {}).get("roundtrip_s")
+        mem = f"{_gib(info.get('memory_available'))}/{_gib(info.get('memory_total'))}"
+        lines.append(
+            f"{w.get('address', ''):24} {layers:8} {w.get('health', ''):12} "
+            f"{info.get('device', '')[:24]:24} {mem:>9} "
+            f"{(f'{hop * 1000:.2f}' if hop else '-'):>7}"
+        )
+        if w.get("detail"):
+            lines.append(f"    {w['detail']}")
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The coordinator's connection to one worker: a long-lived Forward stream (requests go out
+as they are sent, replies come back in order) plus unary calls, each with a deadline."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.call_auth import call_metadata
+from common.proto_gen import wedlm_pb2 as pb
+from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+
+MESSAGE_LIMIT = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+_CLOSE = object()
+
+
+class WorkerCallError(RuntimeError):
+    """A call to a worker failed or missed its deadline; `code` is the gRPC status."""
+
+    def __init__(self, address: str, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"worker {address}: {code.name}: {message}")
+        self.address = address
+        self.code = code
+
+
+@dataclass
+class HopStats:
+    compute_s: list[float] = field(default_factory=list)
+    roundtrip_s: list[float] = field(default_factory=list)
+
+    def add(self, compute: float, roundtrip: float, keep: int = 256) -> None:
+        self.compute_s = [*self.compute_s[-keep + 1 :], compute]
+        self.roundtrip_s = [*self.roundtrip_s[-keep + 1 :], roundtrip]
+
+
+class WorkerLink:
+    def __init__(
+        self,
+        address: str,
+        secret: str | None,
+        model_identity: str,
+        deadline_s: float = 30.0,
+    ) -> None:
+        self.address = address
+        self.secret = secret
+        self.model_identity = model_identity
+        self.deadline_s = deadline_s
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.WorkerStub(self.channel)
+        self.stats = HopStats()
+        self._outbox: queue.Queue | None = None
+        self._replies: queue.Queue = queue.Queue()
+        self._sent_at: list[float] = []
+        self._lock = threading.Lock()
+
+    def _md(self, method: str):
+        return call_metadata(self.secret, f"/wedlm.v1.Worker/{method}", self.model_identity)
+
+    # ---- unary calls ------------------------------------------------------------------
+    def _unary(self, method: str, request, timeout: float | None = None):
+        try:
+            return getattr(self.stub, method)(
+                request, metadata=self._md(method), timeout=timeout or self.deadline_s
+            )
+        except grpc.RpcError as e:
+            raise WorkerCallError(self.address, e.code(), e.details() or "") from None
+
+    def info(self, timeout: float | None = None) -> pb.WorkerInfo:
+        return self._unary("Info", pb.InfoRequest(), timeout)
+
+    def assign(self, start: int, end: int, timeout: float = 600.0) -> pb.WorkerInfo:
+        return self._unary("Assign", pb.AssignRequest(layer_start=start, layer_end=end), timeout)
+
+    def release(self, seq_ids: list[int]) -> pb.ReleaseReply:
+        return self._unary("Release", pb.ReleaseRequest(seq_ids=seq_ids))
+
+    # ---- the forward stream ------------------------------------------------------------
+    def _open_stream(self) -> None:
+        outbox: queue.Queue = queue.Queue()
+
+        def requests():
+            while (item := outbox.get()) is not _CLOSE:
+                yield item
+
+        replies = self.stub.Forward(requests(), metadata=self._md("Forward"))
+        threading.Thread(target=self._read, args=(replies,), daemon=True).start()
+        self._outbox = outbox
+
+    def _read(self, replies) -> None:
+        try:
+            for reply in replies:
+                self._replies.put(reply)
+            self._replies.put(WorkerCallError(self.address, grpc.StatusCode.CANCELLED, "closed"))
+        except grpc.RpcError as e:
+            self._replies.put(WorkerCallError(self.address, e.code(), e.details() or ""))
+
+    def send(self, request: pb.ForwardRequest) -> None:
+        with self._lock:
+            if self._outbox is None:
+                self._open_stream()
+            self._sent_at.append(time.perf_counter())
+            self._outbox.put(request)
+
+    def receive(self, timeout: float | None = None) -> pb.ForwardReply:
+        """The reply to the oldest request in flight, or WorkerCallError."""
+        try:
+            item = self._replies.get(timeout=timeout or self.deadline_s)
+        except queue.Empty:
+            self._reset()
+            raise WorkerCallError(
+                self.address, grpc.StatusCode.DEADLINE_EXCEEDED, "no reply to a forward"
+            ) from None
+        if isinstance(item, WorkerCallError):
+            self._reset()
+            raise item
+        sent = self._sent_at.pop(0) if self._sent_at else time.perf_counter()
+        self.stats.add(item.compute_s, time.perf_counter() - sent)
+        return item
+
+    def _reset(self) -> None:
+        """Drop a broken stream; the next send opens a fresh one."""
+        with self._lock:
+            if self._outbox is not None:
+                self._outbox.put(_CLOSE)
+            self._outbox = None
+            self._sent_at.clear()
+            self._replies = queue.Queue()
+
+    def close(self) -> None:
+        self._reset()
+        self.channel.close()

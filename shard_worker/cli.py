@@ -1,0 +1,143 @@
+"""`wedlm-worker`: serve a contiguous range of a model's layers to a coordinator.
+
+    wedlm-worker --model PATH|default [--layers A-B] [--host H] [--port N] [--cluster NAME]
+                 [--secret S | env WEDLM_SECRET] [--node-id ID] [--no-bonjour]
+                 [--advertise-host IP]
+
+Once serving it prints one line to stdout (scripts and tests read the port from it):
+    wedlm-worker <node_id> listening on HOST:PORT layers A-B (model <identity>)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import re
+import signal
+import sys
+import threading
+from pathlib import Path
+
+PROG = "wedlm-worker"
+log = logging.getLogger(PROG)
+
+
+def _layer_range(text: str):
+    from common.errors import WedlmError
+    from common.layer_range import LayerRange
+
+    try:
+        return LayerRange.parse(text)
+    except WedlmError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {text!r}: expected 0-65535")
+    return int(text)
+
+
+def _ip(text: str) -> str:
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an IP address") from None
+
+
+def _node_id(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}", text):
+        raise argparse.ArgumentTypeError(
+            f"invalid node id {text!r}: use letters, digits and '-' (at most 63)"
+        )
+    return text
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Serve a range of a model's layers.")
+    p.add_argument("--model", required=True, help="checkpoint folder, or 'default'")
+    p.add_argument(
+        "--layers",
+        type=_layer_range,
+        help="hold exactly layers A-B (inclusive); without it the coordinator assigns a range",
+    )
+    p.add_argument("--host", type=_non_empty, default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=_port, default=0, help="port to bind (0: pick a free one)")
+    p.add_argument("--cluster", type=_non_empty, default="default", help="cluster name")
+    p.add_argument("--secret", help="cluster secret (prefer the WEDLM_SECRET variable)")
+    p.add_argument("--node-id", type=_node_id, help="name of this worker (default host-port)")
+    p.add_argument("--no-bonjour", action="store_true", help="do not advertise over mDNS")
+    p.add_argument("--advertise-host", type=_ip, help="address to advertise to peers")
+    p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING"])
+    return p
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format=f"{PROG}: %(levelname)s %(message)s"
+    )
+    secret = args.secret or os.environ.get("WEDLM_SECRET") or None
+    # Imported here so that --help and flag errors answer without loading MLX.
+    from common.default_model import default_model_path
+    from common.errors import WedlmError
+    from common.model_config import load_model_config
+    from shard_worker.bonjour import is_loopback
+    from shard_worker.server import WorkerOptions, WorkerServer
+
+    try:
+        path = default_model_path() if args.model == "default" else Path(args.model)
+        config = load_model_config(path)
+        if args.layers is not None and args.layers.end >= config.num_layers:
+            return _fail(
+                f"--layers {args.layers} is past the model's {config.num_layers} layers "
+                f"(0-{config.num_layers - 1})"
+            )
+        options = WorkerOptions(
+            config=config,
+            layers=args.layers,
+            host=args.host,
+            port=args.port,
+            cluster=args.cluster,
+            secret=secret,
+            node_id=args.node_id,
+            bonjour=not args.no_bonjour,
+            advertise_host=args.advertise_host,
+        )
+        worker = WorkerServer(options)
+    except (WedlmError, OSError, RuntimeError) as e:
+        return _fail(str(e))
+    if secret is None and not is_loopback(args.host):
+        log.warning("no cluster secret: anyone who can reach this port can use the worker")
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    worker.start()
+    layers = str(args.layers) if args.layers else "unassigned"
+    print(
+        f"{PROG} {worker.node_id} listening on {args.host}:{worker.port} layers {layers} "
+        f"(model {config.identity})",
+        flush=True,
+    )
+    while not stop.wait(0.5):
+        pass
+    worker.stop(grace=2.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Checks a ForwardRequest's shape before any MLX work and turns it into a RowsSpec.
+Only what the message itself can get wrong is checked here; what depends on the KV this
+worker holds (unknown sequences, committed lengths, the context) is LayerRunner's check."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from common.layer_runner import RowsError
+from common.proto_gen import wedlm_pb2 as pb
+from common.rows_spec import RowsSpec
+
+WIRE_DTYPES = {
+    pb.DTYPE_FLOAT32: "float32",
+    pb.DTYPE_FLOAT16: "float16",
+    pb.DTYPE_BFLOAT16: "bfloat16",
+}
+MAX_MASK_ELEMENTS = 1 << 30  # B×T×T window visibilities built on the host
+
+
+def _invalid(message: str) -> RowsError:
+    return RowsError("INVALID_ARGUMENT", message)
+
+
+def rows_spec(request: pb.ForwardRequest, hidden_size: int, max_positions: int) -> RowsSpec:
+    """The request's RowsSpec; raises RowsError naming the first problem found."""
+    b = len(request.seq_ids)
+    if b == 0:
+        raise _invalid("a forward needs at least one row (seq_ids is empty)")
+    for name in ("committed", "widths", "keep", "positions"):
+        n = len(getattr(request, name))
+        if n != b:
+            raise _invalid(f"{name} has {n} entries but seq_ids has {b}: one per row")
+    for row, (pos, com) in enumerate(zip(request.positions, request.committed, strict=True)):
+        if pos != com:
+            raise _invalid(
+                f"row {row}: positions is {pos} but committed is {com}; a window starts "
+                "right after the sequence's committed KV"
+            )
+    if not request.HasField("hidden"):
+        raise _invalid("the request carries no hidden states")
+    hidden = request.hidden
+    if hidden.dtype not in WIRE_DTYPES:
+        raise _invalid(
+            f"unknown hidden dtype {hidden.dtype} (expected one of "
+            f"{', '.join(f'{v} ({k})' for k, v in WIRE_DTYPES.items())})"
+        )
+    shape = tuple(int(d) for d in hidden.shape)
+    if len(shape) != 3 or shape[0] != b or shape[1] < 1 or shape[2] != hidden_size:
+        raise _invalid(f"hidden states have shape {shape}, expected ({b}, T, {hidden_size})")
+    t = shape[1]
+    if t > max_positions:
+        raise RowsError(
+            "OUT_OF_RANGE", f"window of {t} slots exceeds the context of {max_positions}"
+        )
+    if b * t * t > MAX_MASK_ELEMENTS:
+        raise _invalid(f"{b} rows of {t} slots is too large for one forward: split the batch")
+    if len(request.filled) != b * t:
+        raise _invalid(f"filled has {len(request.filled)} bytes, expected {b}×{t} = {b * t}")
+    filled = np.frombuffer(request.filled, dtype=np.uint8).reshape(b, t)
+    if (filled > 1).any():
+        raise _invalid("filled bytes must be 0 (mask or padding) or 1 (filled)")
+    return RowsSpec(
+        seq_ids=[int(s) for s in request.seq_ids],
+        starts=np.array(request.committed, dtype=np.int64),
+        widths=np.array(request.widths, dtype=np.int64),
+        filled=filled.astype(bool),
+        keeps=np.array(request.keep, dtype=np.int64),
+    )

@@ -1,0 +1,115 @@
+"""The layers this worker holds and their KV. Every method but `state` runs on the MLX
+thread; `state` is an immutable snapshot that handler threads read without waiting."""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+
+from common.layer_range import LayerRange
+from common.layer_runner import LayerRunner, RowsError
+from common.model_config import ModelConfig
+from common.model_parts import load_model_parts
+from common.proto_gen import wedlm_pb2 as pb
+from common.rows_spec import RowsSpec
+from common.tensor_codec import decode, encode
+from shard_worker.layer_sizes import (
+    DTYPE_NAMES,
+    compute_dtype,
+    estimated_layer_bytes,
+    kv_bytes_per_token,
+    loaded_layer_bytes,
+    parts_dtype,
+)
+
+
+@dataclass(frozen=True)
+class LayerState:
+    layer_range: LayerRange | None  # None while waiting for an assignment
+    dtype: str
+    layer_bytes: int
+    kv_bytes_per_token: int
+    kv_sequences: int = 0
+    kv_bytes: int = 0
+
+
+class HeldLayers:
+    def __init__(self, config: ModelConfig, fixed: LayerRange | None) -> None:
+        self.config = config
+        self.fixed = fixed
+        self.runner: LayerRunner | None = None
+        self._run_dtype = compute_dtype(config)
+        self._estimate = estimated_layer_bytes(config, compute_dtype(config))
+        self.state = self._describe()
+
+    def load(self, layer_range: LayerRange) -> LayerState:
+        """Hold exactly `layer_range` with no KV. The same range keeps its weights; another
+        range replaces them, the old layers going first so both are never held at once."""
+        if self.runner is not None and self.runner.parts.layer_range == layer_range:
+            self.runner = LayerRunner(self.runner.parts)
+            self.state = self._describe()
+            return self.state
+        self.runner = None
+        self.state = self._describe()
+        gc.collect()
+        mx.clear_cache()
+        parts = load_model_parts(self.config.path, layer_range, with_ends=False, config=self.config)
+        self._run_dtype = parts_dtype(parts)
+        self.runner = LayerRunner(parts)
+        self.state = self._describe()
+        return self.state
+
+    def forward(self, spec: RowsSpec, hidden: pb.Tensor) -> tuple[pb.Tensor, float]:
+        """Hidden states after this worker's layers, in the request's wire dtype, and
+        the seconds spent in the layers."""
+        runner = self.runner
+        if runner is None:
+            raise RowsError(
+                "FAILED_PRECONDITION",
+                "this worker holds no layers yet: it waits for the coordinator's Assign",
+            )
+        x = decode(hidden)
+        wire_dtype = x.dtype
+        start = time.perf_counter()
+        out = runner.forward(spec, x.astype(self._run_dtype))
+        mx.eval(out)
+        compute_s = time.perf_counter() - start
+        reply = encode(out.astype(wire_dtype))
+        self._refresh_kv()
+        return reply, compute_s
+
+    def release(self, seq_ids: list[int]) -> int:
+        runner = self.runner
+        if runner is None:
+            return 0
+        held = [s for s in dict.fromkeys(seq_ids) if s in runner.store]
+        runner.release(held)
+        self._refresh_kv()
+        return len(held)
+
+    def _refresh_kv(self) -> None:
+        runner = self.runner
+        sequences = len(runner.store) if runner else 0
+        nbytes = runner.kv_bytes() if runner else 0
+        self.state = replace(self.state, kv_sequences=sequences, kv_bytes=nbytes)
+
+    def _describe(self) -> LayerState:
+        if self.runner is None:
+            dtype = compute_dtype(self.config)
+            return LayerState(
+                layer_range=None,
+                dtype=DTYPE_NAMES.get(dtype, str(dtype)),
+                layer_bytes=self._estimate,
+                kv_bytes_per_token=kv_bytes_per_token(self.config, dtype, 1),
+            )
+        parts = self.runner.parts
+        dtype = self._run_dtype
+        return LayerState(
+            layer_range=parts.layer_range,
+            dtype=DTYPE_NAMES.get(dtype, str(dtype)),
+            layer_bytes=loaded_layer_bytes(parts),
+            kv_bytes_per_token=kv_bytes_per_token(self.config, dtype, len(parts.layers)),
+        )

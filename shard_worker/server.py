@@ -1,0 +1,135 @@
+"""Puts a worker together: its layers on the MLX thread, the gRPC server with cluster
+authentication and health checking, and its Bonjour advertisement."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common import host_info
+from common.call_auth import PROTOCOL_VERSION, ClusterAuthInterceptor
+from common.discovery_record import WorkerAdvert
+from common.errors import WedlmError
+from common.layer_range import LayerRange
+from common.model_config import ModelConfig
+from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from shard_worker.bonjour import BonjourAdvert
+from shard_worker.held_layers import HeldLayers
+from shard_worker.mlx_thread import MLXThread
+from shard_worker.servicer import WorkerIdentity, WorkerServicer
+
+SERVICE_NAME = "wedlm.v1.Worker"
+MAX_MESSAGE = 256 << 20
+HANDLER_THREADS = 64  # each open Forward stream holds one thread for its lifetime
+MAX_CONCURRENT_RPCS = 48  # fewer than the threads, so Info and Release always find one
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.so_reuseport", 0),  # a second worker on a taken port must fail, not share it
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+]
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    config: ModelConfig
+    layers: LayerRange | None  # fixed with --layers, else assigned by the coordinator
+    host: str = "127.0.0.1"
+    port: int = 0
+    cluster: str = "default"
+    secret: str | None = None
+    node_id: str | None = None
+    bonjour: bool = True
+    advertise_host: str | None = None
+
+
+class WorkerServer:
+    def __init__(self, options: WorkerOptions) -> None:
+        """Load the fixed range (if any) and bind; raises WedlmError for bad input."""
+        self.options = options
+        config = options.config
+        self.mlx = MLXThread()
+        self.layers: HeldLayers = self.mlx.call(HeldLayers, config, options.layers)
+        if options.layers is not None:
+            self.mlx.call(self.layers.load, options.layers)
+        self.server = grpc.server(
+            ThreadPoolExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="grpc"),
+            interceptors=[ClusterAuthInterceptor(options.secret, config.identity)],
+            options=GRPC_OPTIONS,
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        )
+        host = f"[{options.host}]" if ":" in options.host else options.host
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{options.port}")
+        except RuntimeError:
+            self.port = 0
+        if not self.port:
+            raise WedlmError(f"cannot listen on {options.host}:{options.port} (in use?)")
+        self.node_id = host_info.node_id(self.port, options.node_id)
+        identity = WorkerIdentity(
+            node_id=self.node_id,
+            cluster=options.cluster,
+            model_name=config.path.name,
+            device=host_info.device_description(),
+        )
+        self.servicer = WorkerServicer(
+            identity, config, self.layers, self.mlx, on_layers_changed=self._layers_changed
+        )
+        pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._set_health()
+        self.bonjour = (
+            BonjourAdvert(options.host, self.port, options.advertise_host)
+            if options.bonjour
+            else None
+        )
+
+    def start(self) -> None:
+        self.server.start()
+        if self.bonjour:
+            self.bonjour.start(self.advert())
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Withdraw the advertisement, finish calls in flight for `grace` s, stop MLX."""
+        self.health.enter_graceful_shutdown()
+        if self.bonjour:
+            self.bonjour.close()
+        self.server.stop(grace).wait(grace + 1.0)
+        self.mlx.stop()
+
+    def advert(self) -> WorkerAdvert:
+        total, available = host_info.memory()
+        fixed = self.options.layers
+        return WorkerAdvert(
+            node_id=self.node_id,
+            cluster=self.options.cluster,
+            protocol=PROTOCOL_VERSION,
+            device=self.servicer.identity.device,
+            memory_total=total,
+            memory_available=available,
+            layers=str(fixed) if fixed else "",
+            model=self.options.config.identity,
+            model_name=self.servicer.identity.model_name,
+        )
+
+    def _set_health(self) -> None:
+        serving = self.layers.state.layer_range is not None
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def _layers_changed(self) -> None:
+        self._set_health()
+        if self.bonjour:
+            self.bonjour.update(self.advert())

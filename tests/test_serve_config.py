@@ -1,0 +1,63 @@
+"""The coordinator's TOML config and the wire request → parameters translation."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import InvalidRequest, WedlmError
+from common.proto_gen import wedlm_pb2 as pb
+from coordinator.generation_params import GenerationParams
+from coordinator.request_parsing import params_from_request, request_from_params
+from coordinator.serve_config import load_serve_config
+
+
+def test_example_config_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".config" / "wedlm-cluster").mkdir(parents=True)
+    (tmp_path / ".config" / "wedlm-cluster" / "secret").write_text("s3cret\n")
+    cfg = load_serve_config("deploy/cluster.example.toml")
+    assert cfg["cluster"] == "studio" and cfg["expect"] == 3 and cfg["secret"] == "s3cret"
+    assert cfg["workers"][0] == "mac-studio.local:50061"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("model = 3", "model (model folder or 'default') must be a str"),
+        ("colour = 'red'", "unknown setting 'colour'"),
+        ("expect = 0", "expect must be positive"),
+        ("workers = ['nohost']", "HOST:PORT"),
+        ("bonjour = 'yes'", "bonjour (find workers over Bonjour) must be a bool"),
+        ("secret_file = '/nonexistent/secret'", "cannot read secret_file"),
+        ("[coordinator\nmodel = 'x'", "not valid TOML"),
+    ],
+)
+def test_bad_configs(tmp_path, text, message):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(WedlmError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_serve_config(path)
+
+
+def test_missing_config():
+    with pytest.raises(WedlmError, match="not found"):
+        load_serve_config("/nonexistent/cluster.toml")
+
+
+def test_request_round_trip():
+    for params in (
+        GenerationParams(),
+        GenerationParams(mode="ar", temperature=0.7, top_p=0.9, top_k=5, seed=3, max_tokens=9),
+        GenerationParams(threshold=None, window=6, penalty=0.1, stop_ids=(2,), stop_strings=("x",)),
+    ):
+        req = request_from_params(params, text="hi")
+        back = params_from_request(req)
+        assert back == params
+
+
+def test_request_defaults_and_errors():
+    assert params_from_request(pb.GenerateRequest(text="x")) == GenerationParams()
+    with pytest.raises(InvalidRequest, match="window"):
+        params_from_request(pb.GenerateRequest(text="x", window=0))
+    with pytest.raises(InvalidRequest, match="exclusive"):
+        params_from_request(pb.GenerateRequest(text="x", threshold=0.5, one_by_one=True))
