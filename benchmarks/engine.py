@@ -99,7 +99,9 @@ def wedlm_filled(t: int) -> np.ndarray:
     return filled
 
 
-def bench_forward(parts: ModelParts, repeats: int, causal: bool) -> dict[str, dict[int, float]]:
+def bench_forward(
+    parts: ModelParts, repeats: int, causal: bool, interleave: bool
+) -> dict[str, dict[int, float]]:
     kv = KVRows(len(parts.layers), 1)
     rng = np.random.default_rng(0)
     ids = lambda n: rng.integers(0, parts.config.vocab_size, (1, n)).astype(np.int32)  # noqa: E731
@@ -113,14 +115,24 @@ def bench_forward(parts: ModelParts, repeats: int, causal: bool) -> dict[str, di
     if causal:
         kinds["causal"] = lambda t: np.tri(t, dtype=bool)[None]
     times: dict[str, dict[int, list[float]]] = {k: {t: [] for t in T_VALUES} for k in kinds}
-    for r in range(repeats + 1):  # round 0 is the warm-up; T interleaved within a round
+
+    def once(t: int, kind: str) -> float:
+        tokens, windows = ids(t), kinds[kind](t)
+        start = now()
+        mx.eval(window_forward(parts, kv, tokens, windows))
+        return now() - start
+
+    if interleave:  # rounds over every (T, kind); round 0 is the warm-up
+        for r in range(repeats + 1):
+            for t in T_VALUES:
+                for kind in kinds:
+                    dt = once(t, kind)
+                    if r:
+                        times[kind][t].append(dt)
+    else:  # blocked: the same shape back to back, two warm-ups first
         for t in T_VALUES:
-            for kind, make in kinds.items():
-                tokens, windows = ids(t), make(t)
-                start = now()
-                mx.eval(window_forward(parts, kv, tokens, windows))
-                if r:
-                    times[kind][t].append(now() - start)
+            for kind in kinds:
+                times[kind][t] = [once(t, kind) for _ in range(repeats + 2)][2:]
     assert int(kv.lengths[0]) == CONTEXT
     # The head alone on 1 vs WINDOW rows: a WeDLM step needs logits for W slots.
     hidden = mx.random.normal((1, WINDOW, parts.config.hidden_size)).astype(parts.norm.weight.dtype)
@@ -286,6 +298,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--no-causal", action="store_true", help="skip the causal-window series")
+    ap.add_argument("--interleave", action="store_true", help="(a): round-robin over shapes")
     args = ap.parse_args()
     if args.model == "random-qwen3-8b":
         parts, mlm = random_qwen3(args.layers, args.hidden)
@@ -306,11 +319,12 @@ def main() -> None:
         "mlx": mx.__version__,
         "mlx_lm": mlx_lm.__version__,
         "context": CONTEXT,
+        "forward_order": "interleaved" if args.interleave else "blocked",
         "repeats": args.repeats,
         "tokens": args.tokens,
         "date": time.strftime("%Y-%m-%d"),
     }
-    fwd = bench_forward(parts, args.repeats, causal=not args.no_causal)
+    fwd = bench_forward(parts, args.repeats, not args.no_causal, args.interleave)
     result["forward_ms"] = {k: {str(t): v * 1e3 for t, v in d.items()} for k, d in fwd.items()}
     w = fwd["wedlm"]
     result["ratio_16p"] = {str(t): w[t] / w[1] for t in (17, 20, 24)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
 import time
 from collections import OrderedDict
 
@@ -46,6 +47,7 @@ class TokenChecker:
         self.secret = secret
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._memory = memory
+        self._lock = threading.Lock()  # gRPC handler threads check concurrently
 
     def check(self, token: str | None, method: str) -> str | None:
         """None if the call may proceed, else the reason it may not."""
@@ -62,11 +64,12 @@ class TokenChecker:
             return "expired cluster credentials (check the clocks)"
         if not hmac.compare_digest(sig, _sign(self.secret, method, stamp, nonce)):
             return "wrong cluster secret"
-        if nonce in self._seen:
-            return "replayed cluster credentials"
-        self._seen[nonce] = time.time()
-        while len(self._seen) > self._memory:
-            self._seen.popitem(last=False)
+        with self._lock:
+            if nonce in self._seen:
+                return "replayed cluster credentials"
+            self._seen[nonce] = time.time()
+            while len(self._seen) > self._memory:
+                self._seen.popitem(last=False)
         return None
 
 
@@ -108,7 +111,7 @@ class ClusterAuthInterceptor(grpc.ServerInterceptor):
                 f"{PROTOCOL_VERSION}",
             )
         model = md.get(MODEL_KEY)
-        if model is not None and model != self.model_identity:
+        if model != self.model_identity:
             return _abort_handler(
                 handler,
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import socket
+from functools import cache
 
 import mlx.core as mx
 import psutil
@@ -19,8 +20,16 @@ def _mlx_device_info() -> dict:
         return {}
 
 
+@cache
 def _on_gpu() -> bool:
     return mx.default_device().type == mx.gpu
+
+
+@cache
+def _gpu_memory_cap() -> int:
+    """Metal's per-process budget. Cached: later calls (from gRPC threads) touch no MLX."""
+    info = _mlx_device_info()
+    return int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
 
 
 def device_description() -> str:
@@ -38,17 +47,13 @@ def memory() -> tuple[int, int]:
     """(total, available) bytes this process can fill with weights and KV.
 
     On Apple silicon the GPU shares system memory but Metal caps one process at the
-    recommended working set, so that cap bounds both numbers.
+    recommended working set, so that cap bounds both numbers. Call it once from the MLX
+    thread (or before serving) so that the MLX queries are cached.
     """
     vm = psutil.virtual_memory()
     total, available = int(vm.total), int(vm.available)
-    if _on_gpu():
-        info = _mlx_device_info()
-        cap = info.get("max_recommended_working_set_size") or info.get("memory_size")
-        if cap:
-            in_use = mx.get_active_memory() if hasattr(mx, "get_active_memory") else 0
-            total = min(total, int(cap))
-            available = max(0, min(available, int(cap) - int(in_use)))
+    if _on_gpu() and (cap := _gpu_memory_cap()):
+        total, available = min(total, cap), min(available, cap)
     return total, available
 
 

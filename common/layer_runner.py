@@ -19,6 +19,9 @@ class RowsError(WedlmError):
         self.code = code
 
 
+MAX_WIDTH = 4096  # rows per sequence in one forward (window masks are B x T x T on the host)
+
+
 class LayerRunner:
     def __init__(self, parts: ModelParts) -> None:
         self.parts = parts
@@ -28,6 +31,8 @@ class LayerRunner:
     def check(self, spec: RowsSpec, hidden_shape: tuple[int, ...]) -> None:
         b, t = spec.num_rows, spec.width
         hidden = self.parts.config.hidden_size
+        if t > MAX_WIDTH:
+            raise RowsError("INVALID_ARGUMENT", f"{t} rows per sequence exceed {MAX_WIDTH}")
         if tuple(hidden_shape) != (b, t, hidden):
             raise RowsError(
                 "INVALID_ARGUMENT",

@@ -13,6 +13,10 @@ _CHAT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         from mlx_lm.tokenizer_utils import load as load_tokenizer
+        from transformers.utils import logging as hf_logging
+
+        # transformers warns that it does not know model_type "wedlm"; the tokenizer is fine.
+        hf_logging.set_verbosity_error()
 
         path = Path(path)
         if not (path / "tokenizer.json").exists() and not (path / "tokenizer.model").exists():

@@ -96,5 +96,13 @@ def assemble(
     return sorted(entries, key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
 
 
+def _room(entry: WorkerEntry, per_layer: int) -> int:
+    """Memory a worker could give: what is free plus what its current layers occupy (an
+    unfixed worker drops them when it is assigned a new range)."""
+    info = entry.info
+    held = info.layer_end - info.layer_start + 1 if info.has_layers and not info.fixed_range else 0
+    return int(info.memory_available) + held * per_layer
+
+
 def pipeline_links(entries: list[WorkerEntry]) -> list[WorkerLink]:
     return [e.link for e in entries if e.health == "serving" and e.layers is not None]

@@ -3,6 +3,7 @@ authentication and health checking, and its Bonjour advertisement."""
 
 from __future__ import annotations
 
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -36,6 +37,19 @@ GRPC_OPTIONS = [
 ]
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Fail with the OS's reason before gRPC tries (it only logs a terse line)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise WedlmError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
     config: ModelConfig
@@ -64,6 +78,7 @@ class WorkerServer:
             options=GRPC_OPTIONS,
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
+        _check_port_free(options.host, options.port)
         host = f"[{options.host}]" if ":" in options.host else options.host
         try:
             self.port = self.server.add_insecure_port(f"{host}:{options.port}")
@@ -72,11 +87,12 @@ class WorkerServer:
         if not self.port:
             raise WedlmError(f"cannot listen on {options.host}:{options.port} (in use?)")
         self.node_id = host_info.node_id(self.port, options.node_id)
+        self.mlx.call(host_info.memory)  # caches its MLX queries; handlers then make none
         identity = WorkerIdentity(
             node_id=self.node_id,
             cluster=options.cluster,
             model_name=config.path.name,
-            device=host_info.device_description(),
+            device=self.mlx.call(host_info.device_description),
         )
         self.servicer = WorkerServicer(
             identity, config, self.layers, self.mlx, on_layers_changed=self._layers_changed

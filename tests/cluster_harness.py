@@ -1,0 +1,111 @@
+"""Start real `wedlm-worker` / `wedlm-coordinator` processes on 127.0.0.1 for tests."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import secrets
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Proc:
+    popen: subprocess.Popen
+    lines: queue.Queue = field(default_factory=queue.Queue)
+    log: list[str] = field(default_factory=list)
+
+    def expect(self, pattern: str, timeout: float = STARTUP_TIMEOUT_S) -> re.Match:
+        """Wait for a stdout line matching pattern (or fail with what the process said)."""
+        regex = re.compile(pattern)
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no line matching {pattern!r}; output: {self.log}") from None
+            if line is None:
+                self.popen.wait(5)
+                raise AssertionError(
+                    f"process exited ({self.popen.returncode}) before {pattern!r}: "
+                    + "".join(self.log[-20:])
+                )
+            if m := regex.search(line):
+                return m
+
+    def wait_exit(self, timeout: float = STARTUP_TIMEOUT_S) -> tuple[int, str]:
+        code = self.popen.wait(timeout)
+        self._reader.join(5)
+        return code, "".join(self.log)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+
+def spawn(module: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+    popen = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    proc = Proc(popen)
+
+    def read() -> None:
+        for line in popen.stdout:
+            proc.log.append(line)
+            proc.lines.put(line)
+        proc.lines.put(None)
+
+    proc._reader = threading.Thread(target=read, daemon=True)
+    proc._reader.start()
+    return proc
+
+
+def start_worker(model: Path, cluster: str, *extra: str) -> tuple[Proc, str]:
+    proc = spawn(
+        "shard_worker.cli",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--cluster",
+        cluster,
+        *extra,
+    )
+    m = proc.expect(r"listening on (127\.0\.0\.1:\d+)")
+    return proc, m.group(1)
+
+
+def start_coordinator(model: Path, cluster: str, *extra: str) -> tuple[Proc, str]:
+    proc = spawn(
+        "coordinator.server_cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--cluster",
+        cluster,
+        *extra,
+    )
+    m = proc.expect(r"listening on (127\.0\.0\.1:\d+)")
+    return proc, m.group(1)
+
+
+def cluster_name() -> str:
+    return f"test-{secrets.token_hex(4)}"
