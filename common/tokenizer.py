@@ -28,6 +28,8 @@ class Tokenizer:
         self._hf = self._wrapper._tokenizer
         vocab = self._hf.get_vocab()
         self.stop_ids = tuple(sorted({vocab[t] for t in _CHAT_STOP_TOKENS if t in vocab}))
+        # Special tokens (EOS, chat markers) stay in token lists but not in displayed text.
+        self.special_ids = frozenset(self._hf.all_special_ids)
 
     @property
     def has_chat_template(self) -> bool:
@@ -47,10 +49,33 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._hf.decode(ids, skip_special_tokens=False)
 
-    def detokenizer(self):
-        """A fresh streaming detokenizer (mlx-lm's): add_token(), last_segment, finalize()."""
+    def text(self, ids: list[int]) -> str:
+        """What a user reads: the completion without special tokens."""
+        return self._hf.decode(ids, skip_special_tokens=True)
+
+    def detokenizer(self) -> TextStream:
+        """A fresh streaming detokenizer for one sequence."""
         detok = self._wrapper.detokenizer
         fresh = type(detok).__new__(type(detok))
         fresh.__dict__.update(detok.__dict__)
         fresh.reset()
-        return fresh
+        return TextStream(fresh, self.special_ids)
+
+
+class TextStream:
+    """mlx-lm's streaming detokenizer, skipping special tokens: `add(ids)` returns the
+    newly printable text, `finish()` whatever was held back."""
+
+    def __init__(self, detok, special_ids: frozenset[int]) -> None:
+        self._detok = detok
+        self._special = special_ids
+
+    def add(self, ids: list[int]) -> str:
+        for t in ids:
+            if t not in self._special:
+                self._detok.add_token(t)
+        return self._detok.last_segment
+
+    def finish(self) -> str:
+        self._detok.finalize()
+        return self._detok.last_segment

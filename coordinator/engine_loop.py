@@ -86,9 +86,7 @@ class EngineLoop(threading.Thread):
                 continue
             job, seq, detok = entry
             if commit.tokens:
-                for t in commit.tokens:
-                    detok.add_token(t)
-                job.publish(commit.tokens, detok.last_segment)
+                job.publish(commit.tokens, detok.add(commit.tokens))
             if seq.finished:
                 self._finish(seq, "done")
 
@@ -97,9 +95,8 @@ class EngineLoop(threading.Thread):
         if entry is None:
             return
         job, _, detok = entry
-        detok.finalize()
-        tail = detok.last_segment  # text the streaming detokenizer held back
+        tail = detok.finish()  # text the streaming detokenizer held back
         if tail:
             job.publish([], tail)
-        record = result_record(seq, self.tokenizer.decode(seq.output), error)
+        record = result_record(seq, self.tokenizer.text(seq.output), error)
         job.finish(state, record)

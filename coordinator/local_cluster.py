@@ -23,29 +23,22 @@ from coordinator.server import CoordinatorServer, ServeOptions
 START_TIMEOUT_S = 600.0
 
 
-def start_worker(model: Path, cluster: str, secret: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "shard_worker.cli",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--cluster",
-        cluster,
-    ]
+def start_worker(model: Path, cluster: str, secret: str, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "shard_worker.cli", "--model", str(model)]
+    cmd += ["--host", "127.0.0.1", "--port", "0", "--cluster", cluster]
     env = {**os.environ, "WEDLM_SECRET": secret}  # not on the command line, where ps shows it
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    with open(log, "w") as err:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
 
 
-def _await_listening(proc: subprocess.Popen) -> str:
+def _await_listening(proc: subprocess.Popen, log: Path) -> str:
     line = proc.stdout.readline()
     if not line:
-        err = proc.stderr.read()
-        raise WedlmError(f"a worker failed to start: {err.strip().splitlines()[-1:] or '?'}")
+        proc.wait(10)
+        tail = log.read_text().strip().splitlines()[-1:] or ["no output"]
+        raise WedlmError(f"a worker failed to start: {tail[0]} (log: {log})")
+    # Keep draining so a chatty worker never blocks on a full pipe.
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
     return line.strip()
 
 

@@ -19,13 +19,11 @@ def generate_locally(
     seq = local.engine.submit(prompt, params)
     detok = tok.detokenizer()
     for commit in local.engine.stream([seq]):
-        for t in commit.tokens:
-            detok.add_token(t)
-        segment = detok.last_segment  # reading it consumes it
+        segment = detok.add(commit.tokens)
         if stream is not None and segment:
             stream.write(segment)
             stream.flush()
-    detok.finalize()
+    tail = detok.finish()
     if stream is not None:
-        stream.write(detok.last_segment)
-    return result_record(seq, tok.decode(seq.output))
+        stream.write(tail)
+    return result_record(seq, tok.text(seq.output))
