@@ -75,8 +75,13 @@ class EngineLoop(threading.Thread):
             commits = self.engine.step()
         except Exception as e:  # a worker failed mid-forward: its sequences cannot go on
             log.error("forward failed: %s", e)
-            for seq in self.engine.fail_running(str(e)):
+            failed = self.engine.fail_running(str(e))
+            for seq in failed:
                 self._finish(seq, "failed", error=str(e))
+            try:  # best effort: reachable workers drop the rows now
+                self.engine.pipeline.release([s.seq_id for s in failed])
+            except Exception as release_error:
+                log.warning("could not release KV after a failure: %s", release_error)
             return
         self.ticks += 1
         self.last_progress = time.monotonic()
