@@ -1,0 +1,568 @@
+"""Cluster benchmark: (1) per-hop cost of hidden states through the full path (MLX array →
+bytes → gRPC → worker → gRPC → bytes → MLX array) minus the worker's layer time, and
+(2) single-stream decode step time with 1..N real `wedlm-worker` processes on this host
+versus the single-process engine, interleaved in one run. Prints one JSON object and writes
+cluster.json + cluster.png to --out.
+
+  python benchmarks/cluster.py --model default --tokens 16 --repeats 2
+  python benchmarks/cluster.py --model random-qwen3-8b [--layers-override 6 --hidden-override 256]
+
+`random-qwen3-8b` writes a random bf16 Qwen3-8B-shaped checkpoint (config, a word-level
+tokenizer covering the whole vocabulary, sharded safetensors + index) to --ckpt-dir once.
+All processes run on this host (on a GPU machine they share the one GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import re
+import secrets
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from common.model_config import load_model_config
+from common.rows_spec import RowsSpec
+from common.tensor_codec import decode, encode
+from coordinator.generation_params import GenerationParams
+from coordinator.local_engine import open_local_engine, resolve_model
+from coordinator.remote_pipeline import forward_request
+from coordinator.results import result_record
+from coordinator.worker_link import WorkerLink
+
+now = time.perf_counter
+PAYLOADS = (16 * 1024, 256 * 1024, 4 * 1024 * 1024)
+HOP_TARGET_MS = 0.5  # per-hop overhead at 256 KiB
+STEP_TARGET = 1.15  # 2 workers / single process
+WINDOW = 16
+STARTUP_TIMEOUT_S = 300.0
+
+
+# ---- a random Qwen3-8B-shaped checkpoint ----------------------------------------------------
+QWEN3_8B = dict(
+    layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936
+)
+SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
+
+
+def _tokenizer_files(out: Path, vocab: int) -> None:
+    """A word-level tokenizer with one token per model id (w0, w1, …, and Qwen's special
+    tokens at their ids), so every id a random model emits decodes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    by_id = {i: t for t, i in SPECIALS.items()}
+    table = {by_id.get(i, f"w{i}"): i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(table, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(list(SPECIALS))
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "w0",
+        "model_max_length": 40960,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def write_random_qwen3(out: Path, layers: int, hidden: int, layers_per_shard: int = 4) -> Path:
+    """Random bf16 weights, written shard by shard (one shard per few layers) so that at most
+    one shard's tensors are alive at a time. Reused when a complete one is already there."""
+    s = dict(QWEN3_8B, layers=layers, hidden=hidden)
+    if hidden != QWEN3_8B["hidden"]:  # shrunk for a smoke test: keep the 8B proportions
+        s.update(intermediate=3 * hidden, heads=max(1, hidden // 128))
+        s["kv_heads"] = max(1, s["heads"] // 4)
+    raw = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": s["hidden"],
+        "intermediate_size": s["intermediate"],
+        "num_hidden_layers": s["layers"],
+        "num_attention_heads": s["heads"],
+        "num_key_value_heads": s["kv_heads"],
+        "head_dim": s["head_dim"],
+        "vocab_size": s["vocab"],
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": SPECIALS["<|endoftext|>"],
+        "eos_token_id": SPECIALS["<|im_end|>"],
+    }
+    done = out / ".complete"
+    if done.exists() and json.loads(done.read_text()) == raw:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("model-*.safetensors"):
+        old.unlink()
+    h, hd, v, inter = s["hidden"], s["head_dim"], s["vocab"], s["intermediate"]
+    key = mx.random.key(0)
+
+    def rand(shape):
+        nonlocal key
+        key, sub = mx.random.split(key)
+        return (mx.random.normal(shape, key=sub) * 0.02).astype(mx.bfloat16)
+
+    def layer(i: int) -> dict[str, mx.array]:
+        p = f"model.layers.{i}."
+        return {
+            p + "input_layernorm.weight": mx.ones((h,), mx.bfloat16),
+            p + "post_attention_layernorm.weight": mx.ones((h,), mx.bfloat16),
+            p + "self_attn.q_proj.weight": rand((s["heads"] * hd, h)),
+            p + "self_attn.k_proj.weight": rand((s["kv_heads"] * hd, h)),
+            p + "self_attn.v_proj.weight": rand((s["kv_heads"] * hd, h)),
+            p + "self_attn.o_proj.weight": rand((h, s["heads"] * hd)),
+            p + "self_attn.q_norm.weight": mx.ones((hd,), mx.bfloat16),
+            p + "self_attn.k_norm.weight": mx.ones((hd,), mx.bfloat16),
+            p + "mlp.gate_proj.weight": rand((inter, h)),
+            p + "mlp.up_proj.weight": rand((inter, h)),
+            p + "mlp.down_proj.weight": rand((h, inter)),
+        }
+
+    groups: list = [lambda: {"model.embed_tokens.weight": rand((v, h))}]
+    for first in range(0, layers, layers_per_shard):
+        ids = range(first, min(first + layers_per_shard, layers))
+        groups.append(lambda ids=ids: {k: t for i in ids for k, t in layer(i).items()})
+    groups.append(
+        lambda: {"model.norm.weight": mx.ones((h,), mx.bfloat16), "lm_head.weight": rand((v, h))}
+    )
+    weight_map, total = {}, 0
+    for n, make in enumerate(groups):
+        tensors = make()
+        mx.eval(tensors)
+        name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
+        mx.save_safetensors(str(out / name), tensors, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.nbytes for t in tensors.values())
+        del tensors
+        mx.clear_cache()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    (out / "config.json").write_text(json.dumps(raw, indent=1))
+    gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}
+    (out / "generation_config.json").write_text(json.dumps(gen))
+    _tokenizer_files(out, s["vocab"])
+    done.write_text(json.dumps(raw))
+    return out
+
+
+# ---- processes ------------------------------------------------------------------------------
+class Proc:
+    def __init__(self, *args: str) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.lines: queue.Queue = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.popen.stdout:
+            self.log.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def expect(self, pattern: str, timeout: float = STARTUP_TIMEOUT_S) -> re.Match:
+        regex, deadline = re.compile(pattern), time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"no {pattern!r} in time: {''.join(self.log[-20:])}") from None
+            if line is None:
+                raise RuntimeError(f"exited before {pattern!r}: {''.join(self.log[-20:])}")
+            if m := regex.search(line):
+                return m
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+
+def start_workers(model: Path, cluster: str, ranges: list[str]) -> list[tuple[Proc, str]]:
+    procs = [
+        Proc(
+            "shard_worker.cli",
+            "--model",
+            str(model),
+            "--layers",
+            r,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--cluster",
+            cluster,
+            "--no-bonjour",
+        )
+        for r in ranges
+    ]
+    out = []
+    for p in procs:
+        try:
+            out.append((p, p.expect(r"listening on (127\.0\.0\.1:\d+)").group(1)))
+        except Exception:
+            for q in procs:
+                q.stop()
+            raise
+    return out
+
+
+def even_ranges(layers: int, n: int) -> list[str]:
+    bounds = [round(i * layers / n) for i in range(n + 1)]
+    return [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(n)]
+
+
+# ---- (1) per-hop overhead -------------------------------------------------------------------
+def payload_shape(nbytes: int, hidden: int) -> tuple[int, int]:
+    rows = max(1, round(nbytes / (2 * hidden)))
+    return (rows // WINDOW, WINDOW) if rows >= WINDOW and rows % WINDOW == 0 else (1, rows)
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.array(values), q))
+
+
+def bench_hops(model: Path, repeats: int, warmup: int) -> dict:
+    config = load_model_config(model)
+    cluster = f"bench-{secrets.token_hex(3)}"
+    [(proc, address)] = start_workers(model, cluster, ["0-0"])
+    link = WorkerLink(address, None, config.identity)
+    results = {}
+    try:
+        info = link.info()
+        pings = []
+        for _ in range(50 + repeats):  # a unary call with no MLX work: gRPC's own floor
+            t0 = now()
+            link.info()
+            pings.append(now() - t0)
+        results["unary_info_ms_median"] = statistics.median(pings[50:]) * 1e3
+        for k, nbytes in enumerate(PAYLOADS):
+            b, t = payload_shape(nbytes, config.hidden_size)
+            x = (mx.random.normal((b, t, config.hidden_size)) * 0.5).astype(mx.bfloat16)
+            mx.eval(x)
+            seq_ids = [10_000 * (k + 1) + i for i in range(b)]
+            # committed 0 and keep 0: every forward is a fresh window, the KV stays empty
+            spec = RowsSpec(
+                seq_ids,
+                np.zeros(b, np.int64),
+                np.full(b, t, np.int64),
+                np.ones((b, t), bool),
+                np.zeros(b, np.int64),
+            )
+            n = repeats if nbytes < PAYLOADS[-1] else max(20, repeats // 2)
+            rt, comp, enc, dec, wire, queue_s = [], [], [], [], [], []
+            for r in range(warmup + n):
+                t0 = now()
+                tensor = encode(x)
+                t1 = now()
+                link.send(forward_request(r + 1, spec, tensor))
+                reply = link.receive()
+                t2 = now()
+                y = decode(reply.hidden)
+                mx.eval(y)
+                t3 = now()
+                if r >= warmup:
+                    rt.append(t3 - t0)
+                    comp.append(reply.compute_s)
+                    enc.append(t1 - t0)
+                    wire.append(t2 - t1 - reply.compute_s)
+                    dec.append(t3 - t2)
+                    queue_s.append(reply.queue_s)
+            assert y.shape == x.shape and y.dtype == mx.bfloat16
+            over = [a - c for a, c in zip(rt, comp, strict=True)]
+            ms = lambda v: statistics.median(v) * 1e3  # noqa: E731
+            results[str(nbytes)] = {
+                "shape": [b, t, config.hidden_size],
+                "bytes": b * t * config.hidden_size * 2,
+                "repeats": n,
+                "overhead_ms_median": ms(over),
+                "overhead_ms_p90": pct(over, 90) * 1e3,
+                "roundtrip_ms_median": ms(rt),
+                "compute_ms_median": ms(comp),
+                "encode_ms_median": ms(enc),
+                "send_to_reply_minus_compute_ms_median": ms(wire),
+                "decode_ms_median": ms(dec),
+                "worker_queue_ms_median": ms(queue_s),
+            }
+            link.release(seq_ids)
+        results["worker_device"] = info.device
+        results["worker_dtype"] = info.hidden_dtype
+    finally:
+        link.close()
+        proc.stop()
+    return results
+
+
+# ---- (2) decode step: N workers vs the single-process engine -------------------------------
+class Cluster:
+    def __init__(self, model: Path, n: int, layers: int) -> None:
+        name = f"bench-{secrets.token_hex(3)}"
+        self.ranges = even_ranges(layers, n)
+        self.workers = start_workers(model, name, self.ranges)
+        args = [
+            "coordinator.server_cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--cluster",
+            name,
+            "--no-bonjour",
+            "--expect",
+            str(n),
+        ]
+        for _, address in self.workers:
+            args += ["--worker", address]
+        self.coord = Proc(*args)
+        try:
+            address = self.coord.expect(r"listening on (127\.0\.0\.1:\d+)").group(1)
+            self.coord.expect(r"wedlm-coordinator serving")
+        except Exception:
+            self.stop()
+            raise
+        from coordinator.cluster_client import WedlmClient
+
+        self.client = WedlmClient(address)
+
+    def generate(self, prompt: list[int], params: GenerationParams) -> dict:
+        return self.client.generate(ids=prompt, params=params)
+
+    def stop(self) -> None:
+        if hasattr(self, "client"):
+            self.client.close()
+        self.coord.stop()
+        for p, _ in self.workers:
+            p.stop()
+
+
+def local_generate(engine, prompt: list[int], params: GenerationParams) -> dict:
+    seq = engine.submit(prompt, params)
+    for _ in engine.stream([seq]):
+        pass
+    return result_record(seq, "")
+
+
+def step_record(out: dict, n_tokens: int) -> dict:
+    return {
+        "step_ms": out["decode_s"] / max(out["forwards"], 1) * 1e3,
+        "decode_s": out["decode_s"],
+        "forwards": out["forwards"],
+        "tokens": len(out["tokens"]),
+        "finish_reason": out["finish_reason"],
+        "full_length": out["finish_reason"] == "length" and len(out["tokens"]) == n_tokens,
+    }
+
+
+def bench_decode(
+    model: Path, workers: list[int], repeats: int, n_tokens: int, deadline: float, partial
+) -> dict:
+    local = open_local_engine(model)
+    layers = local.engine.config.num_layers
+    prompt = [int(t) for t in np.random.default_rng(1).integers(100, 5000, 32)]
+    modes = {
+        m: GenerationParams(mode=m, window=WINDOW, max_tokens=n_tokens, temperature=0.0)
+        for m in ("ar", "wedlm")
+    }
+    out: dict = {"prompt_tokens": len(prompt), "tokens": n_tokens, "phases": {}}
+    for n in workers:
+        if now() > deadline - 90:  # a phase needs its startup plus two rounds
+            out["phases"][str(n)] = {"skipped": "time budget spent"}
+            continue
+        t_start = now()
+        cluster = Cluster(model, n, layers)
+        startup_s = now() - t_start
+        runs: dict[str, dict[str, list[dict]]] = {m: {"single": [], "cluster": []} for m in modes}
+        tokens_equal = {m: True for m in modes}
+        try:
+            for r in range(repeats + 1):  # round 0 warms up (and compiles) both sides
+                if r > 1 and now() > deadline:
+                    break
+                for m, params in modes.items():
+                    a = local_generate(local.engine, prompt, params)  # A
+                    b = cluster.generate(prompt, params)  # B
+                    tokens_equal[m] &= a["tokens"] == b["tokens"]
+                    if r:
+                        runs[m]["single"].append(step_record(a, n_tokens))
+                        runs[m]["cluster"].append(step_record(b, n_tokens))
+        finally:
+            cluster.stop()
+        phase = {"ranges": cluster.ranges, "startup_s": startup_s, "repeats_done": 0}
+        for m in modes:
+            s, c = runs[m]["single"], runs[m]["cluster"]
+            if not s:
+                continue
+            phase["repeats_done"] = len(s)
+            med = lambda v, f: statistics.median(x[f] for x in v)  # noqa: E731
+            phase[m] = {
+                "single_step_ms": med(s, "step_ms"),
+                "cluster_step_ms": med(c, "step_ms"),
+                "ratio": med(c, "step_ms") / med(s, "step_ms"),
+                "single_runs_ms": [x["step_ms"] for x in s],
+                "cluster_runs_ms": [x["step_ms"] for x in c],
+                "forwards": {"single": med(s, "forwards"), "cluster": med(c, "forwards")},
+                "all_full_length": all(x["full_length"] for x in s + c),
+                "finish_reasons": sorted({x["finish_reason"] for x in s + c}),
+                "tokens_equal": tokens_equal[m],
+            }
+        out["phases"][str(n)] = phase
+        partial(out)
+    return out
+
+
+# ---- output ---------------------------------------------------------------------------------
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    hops = result.get("hops")
+    if hops:
+        sizes = [int(k) for k in hops if k.isdigit()]
+        kib = [hops[str(s)]["bytes"] / 1024 for s in sizes]
+        a.plot(kib, [hops[str(s)]["overhead_ms_median"] for s in sizes], "o-", label="median")
+        a.plot(kib, [hops[str(s)]["overhead_ms_p90"] for s in sizes], "s--", label="p90")
+        a.axhline(HOP_TARGET_MS, color="red", ls=":", label=f"{HOP_TARGET_MS} ms target")
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.legend()
+    a.set(
+        xlabel="bf16 hidden states per hop (KiB)",
+        ylabel="roundtrip − worker compute (ms)",
+        title="per-hop overhead",
+    )
+    dec = result.get("decode")
+    if dec:
+        for i, m in enumerate(("ar", "wedlm")):
+            ns = [n for n, p in dec["phases"].items() if m in p]
+            if not ns:
+                continue
+            single = statistics.median(dec["phases"][n][m]["single_step_ms"] for n in ns)
+            b.plot(
+                [int(n) for n in ns],
+                [dec["phases"][n][m]["cluster_step_ms"] for n in ns],
+                "o-",
+                color=f"C{i}",
+                label=f"{m}: cluster",
+            )
+            b.axhline(single, color=f"C{i}", ls=":", label=f"{m}: single process")
+            b.axhline(
+                STEP_TARGET * single,
+                color=f"C{i}",
+                ls="--",
+                alpha=0.6,
+                label=f"{m}: {STEP_TARGET}× single",
+            )
+        b.set_yscale("log")
+        b.set_xticks([int(n) for n in dec["phases"]])
+        b.legend(fontsize=8)
+    b.set(
+        xlabel="workers (one host)",
+        ylabel="decode step ms (median)",
+        title="single-stream decode step",
+    )
+    fig.suptitle(f"{result['model']} on {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="PATH, default or random-qwen3-8b")
+    ap.add_argument("--layers-override", type=int, help="random-qwen3-8b: layers (36)")
+    ap.add_argument("--hidden-override", type=int, help="random-qwen3-8b: hidden size (4096)")
+    ap.add_argument("--ckpt-dir", type=Path, help="random-qwen3-8b: where to write it")
+    ap.add_argument("--workers", default="1,2,3")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5, help="decode repeats (ABAB rounds)")
+    ap.add_argument("--hop-repeats", type=int, default=200)
+    ap.add_argument("--time-budget", type=float, default=0, help="seconds; 0 = none")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    ap.add_argument("--skip-hops", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true")
+    args = ap.parse_args()
+    t0 = now()
+    deadline = t0 + args.time_budget if args.time_budget else float("inf")
+    if args.model == "random-qwen3-8b":
+        layers = args.layers_override or QWEN3_8B["layers"]
+        hidden = args.hidden_override or QWEN3_8B["hidden"]
+        ckpt = args.ckpt_dir or Path(f"/tmp/wedlm-random-qwen3-8b-L{layers}-H{hidden}")
+        model = write_random_qwen3(ckpt, layers, hidden)
+        name = f"random-qwen3-8b(layers={layers},hidden={hidden},bf16)"
+    else:
+        model, name = resolve_model(args.model), args.model
+    try:
+        dev = mx.device_info().get("device_name", "")
+    except Exception:  # not every backend reports it
+        dev = ""
+    result = {
+        "model": name,
+        "device": f"{mx.default_device()} {dev}".strip(),
+        "mlx": mx.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "note": "all processes on one host (one device shared by every worker)",
+        "setup_s": now() - t0,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def partial(dec: dict) -> None:
+        (args.out / "cluster.partial.json").write_text(json.dumps({**result, "decode": dec}))
+
+    if not args.skip_hops:
+        result["hops"] = bench_hops(model, args.hop_repeats, warmup=20)
+        partial({})
+    if not args.skip_decode:
+        workers = [int(w) for w in args.workers.split(",")]
+        result["decode"] = bench_decode(
+            model, workers, args.repeats, args.tokens, deadline, partial
+        )
+    summary = {}
+    if "hops" in result:
+        h = result["hops"][str(256 * 1024)]
+        summary["hop_256KiB_overhead_ms_median"] = h["overhead_ms_median"]
+        summary["hop_256KiB_target_ms"] = HOP_TARGET_MS
+    if "decode" in result:
+        for n, p in result["decode"]["phases"].items():
+            for m in ("ar", "wedlm"):
+                if m in p:
+                    summary[f"ratio_{n}w_{m}"] = p[m]["ratio"]
+        summary["ratio_2w_target"] = STEP_TARGET
+    result["summary"] = summary
+    result["total_s"] = now() - t0
+    (args.out / "cluster.json").write_text(json.dumps(result, indent=1))
+    try:
+        plot(result, args.out / "cluster.png")
+    except ImportError:
+        result["plot"] = "matplotlib missing"
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
