@@ -20,9 +20,10 @@ from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tokenizer import Tokenizer
 from coordinator.cluster_setup import WorkerEntry, assemble, pipeline_links
 from coordinator.discovery import WorkerBrowser, parse_static, wait_for_workers
-from coordinator.engine import Engine
+from coordinator.engine import Engine, Limits
 from coordinator.engine_loop import EngineLoop
 from coordinator.jobs import JobRegistry
+from coordinator.metrics import Metrics
 from coordinator.remote_pipeline import RemotePipeline
 from coordinator.servicer import CoordinatorServicer
 from coordinator.worker_link import MESSAGE_LIMIT
@@ -41,12 +42,19 @@ class ServeOptions:
     expect: int = 1
     bonjour: bool = True
     max_running: int = 16
+    max_queued: int = 256
+    max_queued_tokens: int = 1 << 20
+    micro_batches: int = 0  # 0: one per pipeline stage
+    metrics_port: int | None = None
     wait_timeout_s: float = 600.0
     kv_reserve_tokens: int = 32768
 
 
 class _NotReady:
-    def forward(self, spec, hidden):
+    def submit(self, batch_id, spec, hidden):
+        raise WedlmError("no workers are planned yet")
+
+    def collect(self):
         raise WedlmError("no workers are planned yet")
 
     def release(self, seq_ids):
@@ -65,7 +73,12 @@ class CoordinatorServer:
             opts.max_running,
             text_tail=self.tokenizer.decode,
             stop_ids=self.tokenizer.stop_ids,
+            limits=Limits(max_queued=opts.max_queued, max_queued_tokens=opts.max_queued_tokens),
         )
+        self.metrics = Metrics()
+        self.metrics_port = None
+        if opts.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(opts.metrics_port, opts.host)
         self.jobs = JobRegistry()
         self.loop: EngineLoop | None = None
         self.state = "waiting-for-workers"
@@ -114,8 +127,8 @@ class CoordinatorServer:
                 found, self.config, opts.secret, opts.cluster, opts.kv_reserve_tokens
             )
             links = pipeline_links(self.entries)
-            self.engine.pipeline = RemotePipeline(links)
-            self.loop = EngineLoop(self.engine, self.tokenizer)
+            self.engine.use_pipeline(RemotePipeline(links), opts.micro_batches or len(links))
+            self.loop = EngineLoop(self.engine, self.tokenizer, self.metrics)
             self.loop.start()
             self.state = "serving"
             self.health.set("", health_pb2.HealthCheckResponse.SERVING)
