@@ -191,6 +191,24 @@ class Engine:
         mx.eval(fills, tokens)
         return np.array(fills), np.array(tokens)
 
+    def restart_on(self, pipeline: Pipeline, micro_batches: int | None = None) -> None:
+        """Continue on a new pipeline after losing a worker: forwards in flight are gone,
+        so every live sequence re-prefills its committed history, then decodes on."""
+        stale = [s.seq_id for s in self.scheduler.running]
+        stale += [i for ids in self._padding.values() for i in ids]
+        pipeline.release(stale)  # surviving workers may still hold rows of these
+        self.in_flight.clear()
+        self._padding.clear()
+        self.pipeline = pipeline
+        if micro_batches:
+            self.micro_batches = micro_batches
+        s = self.scheduler
+        for seq in s.running:
+            seq.restart_prefill()
+        s.groups_count = self.micro_batches
+        s.groups = [[] for _ in range(self.micro_batches)]
+        s.busy.clear()
+
     def fail_all(self) -> list[Sequence]:
         """Finish every running sequence with an error (a forward was lost)."""
         self.in_flight.clear()

@@ -7,11 +7,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from common.tokenizer import TextStream, Tokenizer
 from coordinator.engine import Engine
 from coordinator.jobs import Job
 from coordinator.metrics import Metrics
+from coordinator.pipeline import Pipeline
 from coordinator.results import error_record, result_record
 from coordinator.scheduler import QueueFull
 from coordinator.sequence import Phase, Sequence
@@ -29,8 +31,16 @@ class _Live:
 
 
 class EngineLoop(threading.Thread):
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: Metrics | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        metrics: Metrics | None = None,
+        recover: Callable[[Exception], tuple[Pipeline, int] | None] | None = None,
+    ):
         super().__init__(name="engine", daemon=True)
+        self.recover = recover  # blocks until a new pipeline is ready (or gives up)
+        self.recoveries: list[float] = []  # seconds each recovery took
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics or Metrics()
@@ -100,8 +110,10 @@ class EngineLoop(threading.Thread):
     def _tick(self) -> None:
         try:
             commits = self.engine.step()
-        except Exception as e:  # a worker failed mid-forward: its sequences cannot go on
+        except Exception as e:  # a worker failed mid-forward
             log.error("forward failed: %s", e)
+            if self.recover is not None and self._recover(e):
+                return
             failed = self.engine.fail_all()
             for seq in failed:
                 self._finish(seq, "failed", error=str(e))
@@ -123,6 +135,19 @@ class EngineLoop(threading.Thread):
                 self._finish(commit.seq, "done")
         self._mark_started(now)
         self._gauges()
+
+    def _recover(self, error: Exception) -> bool:
+        """Re-plan over the workers that are left (or wait for one), then rebuild every
+        live sequence's KV from its tokens. Jobs are paused, not lost."""
+        start = time.monotonic()
+        result = self.recover(error)
+        if result is None:
+            return False
+        pipeline, micro_batches = result
+        self.engine.restart_on(pipeline, micro_batches)
+        self.recoveries.append(time.monotonic() - start)
+        log.warning("recovered in %.2f s; rebuilding KV", self.recoveries[-1])
+        return True
 
     def _mark_started(self, now: float) -> None:
         for live in self._live.values():

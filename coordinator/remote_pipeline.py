@@ -6,6 +6,7 @@ one per pipeline stage. The last worker's replies come back in order."""
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 
@@ -17,6 +18,8 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode
 from coordinator.worker_link import WorkerCallError, WorkerLink
+
+log = logging.getLogger(__name__)
 
 
 def forward_request(batch_id: int, spec: RowsSpec, hidden: pb.Tensor) -> pb.ForwardRequest:
@@ -40,6 +43,7 @@ class RemotePipeline:
         self._specs: dict[int, RowsSpec] = {}
         self._lock = threading.Lock()
         self._done: queue.Queue = queue.Queue()
+        self.broken: WorkerCallError | None = None  # set once a worker is lost
         for stage, link in enumerate(links):
             link.on_reply = self._relay_from(stage)
 
@@ -57,6 +61,8 @@ class RemotePipeline:
         return relay
 
     def submit(self, batch_id: int, spec: RowsSpec, hidden: mx.array) -> None:
+        if self.broken is not None:
+            raise self.broken
         with self._lock:
             self._specs[batch_id] = spec
         self.links[0].send(forward_request(batch_id, spec, encode(hidden)))
@@ -71,6 +77,7 @@ class RemotePipeline:
         if isinstance(reply, WorkerCallError):
             with self._lock:
                 self._specs.clear()
+            self.broken = reply
             raise reply
         with self._lock:
             self._specs.pop(reply.batch_id, None)
@@ -83,8 +90,17 @@ class RemotePipeline:
         return self.collect()[1]
 
     def release(self, seq_ids: list[int]) -> None:
+        """Best effort: a worker that cannot be reached holds nothing we will reuse."""
         for link in self.links:
-            link.release(seq_ids)
+            try:
+                link.release(seq_ids)
+            except WorkerCallError as e:
+                log.warning("release on %s failed: %s", link.address, e)
+
+    def abort(self, error: WorkerCallError) -> None:
+        """A worker stopped answering heartbeats: fail what is pending and what comes."""
+        self.broken = error
+        self._done.put(error)
 
     def close(self) -> None:
         for link in self.links:

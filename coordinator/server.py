@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,11 +23,12 @@ from coordinator.cluster_setup import WorkerEntry, assemble, pipeline_links
 from coordinator.discovery import WorkerBrowser, parse_static, wait_for_workers
 from coordinator.engine import Engine, Limits
 from coordinator.engine_loop import EngineLoop
+from coordinator.heartbeat import Heartbeat
 from coordinator.jobs import JobRegistry
 from coordinator.metrics import Metrics
 from coordinator.remote_pipeline import RemotePipeline
 from coordinator.servicer import CoordinatorServicer
-from coordinator.worker_link import MESSAGE_LIMIT
+from coordinator.worker_link import MESSAGE_LIMIT, WorkerCallError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class ServeOptions:
     micro_batches: int = 0  # 0: one per pipeline stage
     metrics_port: int | None = None
     wait_timeout_s: float = 600.0
+    recovery_timeout_s: float = 600.0  # how long to wait for workers after a loss
     kv_reserve_tokens: int = 32768
 
 
@@ -87,6 +90,9 @@ class CoordinatorServer:
         self.health = health.HealthServicer()
         self.ready = threading.Event()
         self.failed: str | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.recovery_problem = ""
+        self._stopping = threading.Event()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=64),
             options=[
@@ -128,8 +134,10 @@ class CoordinatorServer:
             )
             links = pipeline_links(self.entries)
             self.engine.use_pipeline(RemotePipeline(links), opts.micro_batches or len(links))
-            self.loop = EngineLoop(self.engine, self.tokenizer, self.metrics)
+            self.loop = EngineLoop(self.engine, self.tokenizer, self.metrics, self.recover)
             self.loop.start()
+            self.heartbeat = Heartbeat(self._current_pipeline)
+            self.heartbeat.start()
             self.state = "serving"
             self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         except (WedlmError, OSError) as e:
@@ -138,6 +146,49 @@ class CoordinatorServer:
             log.error("%s", e)
         finally:
             self.ready.set()
+
+    def _current_pipeline(self) -> RemotePipeline | None:
+        pipeline = self.engine.pipeline
+        return pipeline if isinstance(pipeline, RemotePipeline) else None
+
+    def _candidates(self) -> list:
+        static = parse_static(self.opts.workers)
+        found = self.browser.workers() if self.browser is not None else []
+        seen = {c.address for c in static}
+        return static + [c for c in found if c.address not in seen]
+
+    def recover(self, error: Exception) -> tuple[RemotePipeline, int] | None:
+        """Called by the engine thread after losing a worker: re-plan over the workers that
+        answer now, retrying until one plan works (a fixed range needs its worker back)."""
+        self.state = "recovering"
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        old = self._current_pipeline()
+        if old is not None:
+            old.close()
+        deadline = time.monotonic() + self.opts.recovery_timeout_s
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            try:
+                entries = assemble(
+                    self._candidates(),
+                    self.config,
+                    self.opts.secret,
+                    self.opts.cluster,
+                    self.opts.kv_reserve_tokens,
+                    probe_timeout_s=2.0,
+                )
+                links = pipeline_links(entries)
+            except (WedlmError, WorkerCallError) as e:
+                self.recovery_problem = str(e)
+                log.warning("recovery: %s; retrying", e)
+                self._stopping.wait(1.0)
+                continue
+            self.entries = entries
+            self.state = "serving"
+            self.recovery_problem = ""
+            self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+            return RemotePipeline(links), self.opts.micro_batches or len(links)
+        self.state = "failed"
+        return None
 
     def cluster_status(self) -> pb.ClusterStatusReply:
         reply = pb.ClusterStatusReply(
@@ -162,6 +213,9 @@ class CoordinatorServer:
         return reply
 
     def stop(self, grace: float = 2.0) -> None:
+        self._stopping.set()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         if self.loop is not None:

@@ -69,7 +69,11 @@ def build_batch(plans: list[RowPlan], padding_ids: list[int] = ()) -> TickBatch:
     up to the bucketed row count."""
     width = max(p.width for p in plans)
     b = len(plans) + len(padding_ids)
-    if b > 1:
+    # WeDLM windows change width (W + p) every step; padding them to a step keeps the set
+    # of shapes small (a new shape costs a new kernel/graph). A lone prefill or AR row
+    # stays exact so that it takes the plain causal fast path.
+    windowed = any(p.commits or not p.filled.all() for p in plans)
+    if b > 1 or windowed:
         width = -(-width // WIDTH_STEP) * WIDTH_STEP
     heads = max(p.head_slots.size for p in plans)
     tokens = np.zeros((b, width), dtype=np.int32)
