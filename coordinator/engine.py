@@ -22,7 +22,7 @@ from coordinator.row_plan import RowPlan
 from coordinator.sampling import sample_tokens
 from coordinator.scheduler import Commit, Limits, Scheduler
 from coordinator.selection import entropy, select_fills
-from coordinator.sequence import Sequence
+from coordinator.sequence import Phase, Sequence
 from coordinator.tick_batch import TickBatch, build_batch
 
 __all__ = ["Commit", "Engine", "Limits"]
@@ -132,7 +132,7 @@ class Engine:
             self._launch(*picked)
         if self.in_flight:
             commits += self._complete()
-        done = self.scheduler.reap()
+        done = self.scheduler.reap({p.seq.seq_id for f in self.in_flight for p in f.plans})
         if done:
             self.pipeline.release([s.seq_id for s in done])
         return commits
@@ -161,16 +161,67 @@ class Engine:
         batch_id, hidden = self.pipeline.collect()
         assert batch_id == flight.batch_id, "micro-batches complete in order"
         fills, tokens = self._select(flight.batch, hidden)
+        ahead = self._launch_ahead(flight, tokens)
+        mx.eval(fills, tokens)  # the one host sync of this micro-batch
         self.forwards += 1
         elapsed = time.perf_counter() - flight.started
-        return self.scheduler.postprocess(flight.unit, flight.plans, fills, tokens, elapsed)
+        commits = self.scheduler.postprocess(
+            flight.unit, flight.plans, np.array(fills), np.array(tokens), elapsed
+        )
+        if ahead:
+            self.scheduler.busy.add(flight.unit)
+        return commits
 
-    def _select(self, batch: TickBatch, hidden: mx.array) -> tuple[np.ndarray, np.ndarray]:
-        """Head on the needed rows, selection and sampling on the device; one host sync."""
+    def _launch_ahead(self, flight: InFlight, tokens: mx.array) -> bool:
+        """For a micro-batch of autoregressive decode rows, launch the next forward from the
+        sampled tokens before reading them back, as mlx-lm does: the device computes step
+        t+1 while the host checks stops of step t. A row that stops at t wastes one row of
+        t+1 (its KV past the end is stale and released)."""
+        live = [i for i, p in enumerate(flight.plans) if not p.seq.finished]
+        plans = [flight.plans[i] for i in live]
+        if not plans or flight.unit < 0:
+            return False
+        if not all(p.seq.phase is Phase.DECODE and p.seq.params.mode == "ar" for p in plans):
+            return False
+        sched = self.scheduler
+        members = {s.seq_id for s in sched.groups[flight.unit] if not s.finished}
+        if members != {p.seq.seq_id for p in plans}:
+            return False  # the group changed: the next regular launch takes everyone
+        if len(self.in_flight) + 1 >= self.micro_batches and self._other_work(flight.unit):
+            return False  # the slot is owed to a prefill or another group: no starving
+        if all(len(p.seq.output) + 1 >= p.seq.params.max_tokens for p in plans):
+            return False  # every row ends at this step
+        if any(p.seq.kv_length + 2 > self.config.max_position_embeddings for p in plans):
+            return False
+        nxt = [
+            RowPlan(p.seq, np.zeros(1, np.int32), p.filled, 1, p.head_slots, p.head_is_mask)
+            for p in plans
+        ]
+        batch = build_batch(nxt, padding_ids=self._padding_ids(flight.unit, len(nxt)))
+        batch.spec.starts[: len(nxt)] += 1  # after step t's row becomes permanent
+        ids = tokens[mx.array(live), :1]
+        pad = batch.tokens.shape[0] - ids.shape[0]
+        if pad:
+            ids = mx.concatenate([ids, mx.zeros((pad, 1), ids.dtype)])
+        batch_id = next(self._batch_ids)
+        self.pipeline.submit(batch_id, batch.spec, self.parts.embed(ids))
+        self.in_flight.append(InFlight(batch_id, flight.unit, nxt, batch, time.perf_counter()))
+        return True
+
+    def _other_work(self, unit: int) -> bool:
+        sched = self.scheduler
+        if sched.waiting or any(s.phase is Phase.PREFILL for s in sched.running):
+            return True
+        return any(
+            g != unit and g not in sched.busy and any(not s.finished for s in group)
+            for g, group in enumerate(sched.groups)
+        )
+
+    def _select(self, batch: TickBatch, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        """Head on the needed rows, selection and sampling on the device, left lazy."""
         rows = len(batch.plans)
         if not batch.wants_head:
-            mx.eval(hidden)
-            return np.zeros((rows, 0), bool), np.zeros((rows, 0), np.int32)
+            return mx.zeros((rows, 0), mx.bool_), mx.zeros((rows, 0), mx.int32)
         slots = mx.array(batch.head_slots)
         picked = mx.take_along_axis(hidden[:rows], slots[:, :, None], axis=1)
         logits = self.parts.head(picked).astype(mx.float32)
@@ -188,8 +239,7 @@ class Engine:
             any_sampling=batch.any_sampling,
             any_filter=batch.any_filter,
         )
-        mx.eval(fills, tokens)
-        return np.array(fills), np.array(tokens)
+        return fills, tokens
 
     def restart_on(self, pipeline: Pipeline, micro_batches: int | None = None) -> None:
         """Continue on a new pipeline after losing a worker: forwards in flight are gone,

@@ -157,14 +157,9 @@ class Scheduler:
                 commits.append(Commit(seq, new))
         return commits
 
-    def reap(self) -> list[Sequence]:
-        """Drop finished sequences whose micro-batch is not in flight; their KV can go."""
-        unit_of = {s.seq_id: g for g, group in enumerate(self.groups) for s in group}
-        done = [
-            s
-            for s in self.running
-            if s.finished and unit_of.get(s.seq_id, PREFILL) not in self.busy
-        ]
+    def reap(self, in_flight: set[int]) -> list[Sequence]:
+        """Drop finished sequences that no forward in flight includes; their KV can go."""
+        done = [s for s in self.running if s.finished and s.seq_id not in in_flight]
         gone = {s.seq_id for s in done}
         if gone:
             self.running = [s for s in self.running if s.seq_id not in gone]

@@ -45,7 +45,8 @@ class TickBatch:
             "top_k": col(lambda r: r.top_k, 0, mx.int32),
             "top_p": col(lambda r: r.top_p, 1.0, mx.float32),
             "seed": mx.array([r.seed if r else 0 for r in rows], dtype=mx.uint32),
-            "counter": mx.array([p.seq.forwards if p else 0 for p in self.plans], dtype=mx.uint32),
+            # Read when the micro-batch completes, after every earlier step's postprocess
+            "counter": mx.array([p.seq.forwards for p in self.plans], dtype=mx.uint32),
         }
 
     @property
@@ -73,7 +74,7 @@ def build_batch(plans: list[RowPlan], padding_ids: list[int] = ()) -> TickBatch:
     # of shapes small (a new shape costs a new kernel/graph). A lone prefill or AR row
     # stays exact so that it takes the plain causal fast path.
     windowed = any(p.commits or not p.filled.all() for p in plans)
-    if b > 1 or windowed:
+    if (b > 1 or windowed) and width > 1:
         width = -(-width // WIDTH_STEP) * WIDTH_STEP
     heads = max(p.head_slots.size for p in plans)
     tokens = np.zeros((b, width), dtype=np.int32)
