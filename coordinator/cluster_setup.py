@@ -36,11 +36,17 @@ def kv_bytes_per_layer(config: ModelConfig, reserve_tokens: int, dtype_bytes: in
     return 2 * heads * head_dim * dtype_bytes * reserve_tokens
 
 
-def probe(cand: DiscoveredWorker, config: ModelConfig, secret: str | None, cluster: str):
+def probe(
+    cand: DiscoveredWorker,
+    config: ModelConfig,
+    secret: str | None,
+    cluster: str,
+    timeout_s: float = 5.0,
+):
     link = WorkerLink(cand.address, secret, config.identity)
     entry = WorkerEntry(cand.address, cand.source, "rejected", link=link)
     try:
-        info = link.info(timeout=5.0)
+        info = link.info(timeout=timeout_s)
     except WorkerCallError as e:
         entry.health = (
             "unreachable" if e.code.name in ("UNAVAILABLE", "DEADLINE_EXCEEDED") else "rejected"
@@ -67,10 +73,11 @@ def assemble(
     secret: str | None,
     cluster: str,
     kv_reserve_tokens: int,
+    probe_timeout_s: float = 5.0,
 ) -> list[WorkerEntry]:
     """Probe, plan and assign. Returns every candidate's entry; the serving ones, in layer
     order, form the pipeline. Raises PlanError when no valid plan exists."""
-    entries = [probe(c, config, secret, cluster) for c in candidates]
+    entries = [probe(c, config, secret, cluster, probe_timeout_s) for c in candidates]
     usable = [e for e in entries if e.health == "serving"]
     if not usable:
         details = "; ".join(f"{e.address}: {e.detail}" for e in entries) or "none found"

@@ -1,9 +1,11 @@
-"""The decoding engine: one tick is schedule → run → postprocess, and postprocess is the
-only place a sequence changes state. The engine owns MLX in its process (call it from one
-thread), holds the embedding and the head, and drives the layers through a Pipeline."""
+"""The decoding engine. A tick launches micro-batches until P are in flight (schedule),
+completes the oldest one (run: the layers, then the head, selection and sampling with one
+host sync) and hands its results to the scheduler (postprocess), the only place a sequence
+changes state. The engine owns MLX in its process: call it from one thread."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -16,19 +18,23 @@ from common.errors import InvalidRequest
 from common.model_parts import ModelParts
 from coordinator.generation_params import GenerationParams
 from coordinator.pipeline import Pipeline
-from coordinator.row_plan import RowPlan, apply_result, plan_next
+from coordinator.row_plan import RowPlan
 from coordinator.sampling import sample_tokens
+from coordinator.scheduler import Commit, Limits, Scheduler
 from coordinator.selection import entropy, select_fills
 from coordinator.sequence import Phase, Sequence
 from coordinator.tick_batch import TickBatch, build_batch
 
-PREFILL_CHUNK = 512
+__all__ = ["Commit", "Engine", "Limits"]
 
 
 @dataclass
-class Commit:
-    seq: Sequence
-    tokens: list[int]  # newly committed this tick (may be empty when only finishing)
+class InFlight:
+    batch_id: int
+    unit: int
+    plans: list[RowPlan]
+    batch: TickBatch
+    started: float
 
 
 class Engine:
@@ -38,28 +44,52 @@ class Engine:
         pipeline: Pipeline,
         num_rows: int,
         text_tail: Callable[[list[int]], str] | None = None,
-        prefill_chunk: int = PREFILL_CHUNK,
         stop_ids: tuple[int, ...] = (),
+        micro_batches: int = 1,
+        limits: Limits | None = None,
     ) -> None:
         self.parts = parts
         self.config = parts.config
         self.pipeline = pipeline
-        self.max_running = num_rows
-        self.running: list[Sequence] = []
-        self.waiting: deque[Sequence] = deque()
         self.text_tail = text_tail
-        self.prefill_chunk = prefill_chunk
-        self._next_id = 0
+        self.micro_batches = micro_batches
+        limits = replace(limits or Limits(), max_running=num_rows)
+        self.prefill_chunk = limits.prefill_chunk
+        self.scheduler = Scheduler(
+            limits, micro_batches, self.config.mask_token_id, self.config.max_position_embeddings
+        )
+        self.in_flight: deque[InFlight] = deque()
+        self._ids = itertools.count()
+        self._batch_ids = itertools.count(1)
+        self._padding: dict[int, set[int]] = {}  # padding rows each unit holds on the workers
         # The model's EOS ids and the tokenizer's chat end tokens always stop.
         self.model_stop_ids = tuple(dict.fromkeys(self.config.eos_token_ids + tuple(stop_ids)))
+        self.forwards = 0
+
+    def use_pipeline(self, pipeline: Pipeline, micro_batches: int) -> None:
+        """Switch to another pipeline (e.g. once the workers are planned). Call while idle."""
+        assert not self.in_flight and not self.scheduler.running, "the engine is busy"
+        self.pipeline = pipeline
+        self.micro_batches = micro_batches
+        s = self.scheduler
+        s.groups_count = micro_batches
+        s.groups = [[] for _ in range(micro_batches)]
+        self._padding.clear()
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> deque[Sequence]:
+        return self.scheduler.waiting
 
     # ---- requests -------------------------------------------------------------------
     def submit(self, prompt: list[int], params: GenerationParams) -> Sequence:
         self.validate_prompt(prompt, params)
         params = replace(params, extra_stop_ids=self.model_stop_ids)
-        seq = Sequence(self._next_id, list(prompt), params, text_tail=self.text_tail)
-        self._next_id += 1
-        self.waiting.append(seq)
+        seq = Sequence(next(self._ids), list(prompt), params, text_tail=self.text_tail)
+        self.scheduler.add(seq)
         return seq
 
     def validate_prompt(self, prompt: list[int], params: GenerationParams) -> None:
@@ -83,73 +113,121 @@ class Engine:
                 f"exceeds the model's context of {limit} positions"
             )
 
+    def cancel(self, seq: Sequence) -> None:
+        """Finish a sequence now; its KV is released once no forward of it is in flight."""
+        self.scheduler.cancel(seq)
+
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or bool(self.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self.in_flight)
 
     # ---- one tick -------------------------------------------------------------------
     def step(self) -> list[Commit]:
-        self._admit()
+        self.scheduler.admit()
         commits: list[Commit] = []
-        plans = self._schedule(commits)
-        if plans:
-            start = time.perf_counter()
-            batch = build_batch(plans)
-            fills, tokens = self._run(batch)
-            elapsed = time.perf_counter() - start
-            commits += self._postprocess(batch, fills, tokens, elapsed)
-        done = [s for s in self.running if s.finished]
+        while len(self.in_flight) < self.micro_batches:
+            picked = self.scheduler.next_micro_batch(commits)
+            if picked is None:
+                break
+            self._launch(*picked)
+        if self.in_flight:
+            commits += self._complete()
+        done = self.scheduler.reap({p.seq.seq_id for f in self.in_flight for p in f.plans})
         if done:
-            self.running = [s for s in self.running if not s.finished]
             self.pipeline.release([s.seq_id for s in done])
         return commits
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
-            new = self.waiting.popleft()
-            new.phase = Phase.PREFILL
-            self.running.append(new)
-
-    def _schedule(self, commits: list[Commit]) -> list[RowPlan]:
-        """Plans for this tick. Prefill ticks and decode ticks alternate rather than mix, so
-        a long prompt chunk does not pad every decode window to its width."""
-        prefilling = any(s.phase is Phase.PREFILL for s in self.running)
-        plans: list[RowPlan] = []
-        limit = self.config.max_position_embeddings
-        for seq in self.running:
-            if prefilling and seq.phase is not Phase.PREFILL:
-                continue
-            plan = plan_next(seq, self.config.mask_token_id, self.prefill_chunk)
-            if plan.commits and seq.would_finish(plan.commits):
-                # The tokens that end the sequence are known: no forward is needed.
-                before = len(seq.output)
-                seq.commit(plan.commits)
-                seq.phase = Phase.FINISHED
-                commits.append(Commit(seq, seq.output[before:]))
-            elif seq.kv_length + plan.width > limit:
-                seq.finish_reason = "length"
-                seq.phase = Phase.FINISHED
-                commits.append(Commit(seq, []))
-            else:
-                plans.append(plan)
-        return plans
-
-    def _run(self, batch: TickBatch) -> tuple[np.ndarray, np.ndarray]:
-        """Embed, run the layers, and select/sample on the device; one host sync."""
+    def _launch(self, unit: int, plans: list[RowPlan]) -> None:
+        batch = build_batch(plans, padding_ids=self._padding_ids(unit, len(plans)))
         hidden = self.parts.embed(mx.array(batch.tokens))
-        hidden = self.pipeline.forward(batch.spec, hidden)
+        batch_id = next(self._batch_ids)
+        self.pipeline.submit(batch_id, batch.spec, hidden)
+        self.in_flight.append(InFlight(batch_id, unit, plans, batch, time.perf_counter()))
+
+    def _padding_ids(self, unit: int, rows: int) -> list[int]:
+        """Row counts are padded to buckets (bounded shapes); padding rows get ids of their
+        own per unit, and the ones a unit stops using are released."""
+        pad = _bucket(rows) - rows
+        base = (1 << 62) + (unit + 1) * 4096
+        ids = {base + i for i in range(pad)}
+        stale = self._padding.get(unit, set()) - ids
+        if stale:
+            self.pipeline.release(sorted(stale))
+        self._padding[unit] = ids
+        return sorted(ids)
+
+    def _complete(self) -> list[Commit]:
+        flight = self.in_flight.popleft()
+        batch_id, hidden = self.pipeline.collect()
+        assert batch_id == flight.batch_id, "micro-batches complete in order"
+        fills, tokens = self._select(flight.batch, hidden)
+        ahead = self._launch_ahead(flight, tokens)
+        mx.eval(fills, tokens)  # the one host sync of this micro-batch
+        self.forwards += 1
+        elapsed = time.perf_counter() - flight.started
+        commits = self.scheduler.postprocess(
+            flight.unit, flight.plans, np.array(fills), np.array(tokens), elapsed
+        )
+        if ahead:
+            self.scheduler.busy.add(flight.unit)
+        return commits
+
+    def _launch_ahead(self, flight: InFlight, tokens: mx.array) -> bool:
+        """For a micro-batch of autoregressive decode rows, launch the next forward from the
+        sampled tokens before reading them back, as mlx-lm does: the device computes step
+        t+1 while the host checks stops of step t. A row that stops at t wastes one row of
+        t+1 (its KV past the end is stale and released)."""
+        live = [i for i, p in enumerate(flight.plans) if not p.seq.finished]
+        plans = [flight.plans[i] for i in live]
+        if not plans or flight.unit < 0:
+            return False
+        if not all(p.seq.phase is Phase.DECODE and p.seq.params.mode == "ar" for p in plans):
+            return False
+        sched = self.scheduler
+        members = {s.seq_id for s in sched.groups[flight.unit] if not s.finished}
+        if members != {p.seq.seq_id for p in plans}:
+            return False  # the group changed: the next regular launch takes everyone
+        if len(self.in_flight) + 1 >= self.micro_batches and self._other_work(flight.unit):
+            return False  # the slot is owed to a prefill or another group: no starving
+        if all(len(p.seq.output) + 1 >= p.seq.params.max_tokens for p in plans):
+            return False  # every row ends at this step
+        if any(p.seq.kv_length + 2 > self.config.max_position_embeddings for p in plans):
+            return False
+        nxt = [
+            RowPlan(p.seq, np.zeros(1, np.int32), p.filled, 1, p.head_slots, p.head_is_mask)
+            for p in plans
+        ]
+        batch = build_batch(nxt, padding_ids=self._padding_ids(flight.unit, len(nxt)))
+        batch.spec.starts[: len(nxt)] += 1  # after step t's row becomes permanent
+        ids = tokens[mx.array(live), :1]
+        pad = batch.tokens.shape[0] - ids.shape[0]
+        if pad:
+            ids = mx.concatenate([ids, mx.zeros((pad, 1), ids.dtype)])
+        batch_id = next(self._batch_ids)
+        self.pipeline.submit(batch_id, batch.spec, self.parts.embed(ids))
+        self.in_flight.append(InFlight(batch_id, flight.unit, nxt, batch, time.perf_counter()))
+        return True
+
+    def _other_work(self, unit: int) -> bool:
+        sched = self.scheduler
+        if sched.waiting or any(s.phase is Phase.PREFILL for s in sched.running):
+            return True
+        return any(
+            g != unit and g not in sched.busy and any(not s.finished for s in group)
+            for g, group in enumerate(sched.groups)
+        )
+
+    def _select(self, batch: TickBatch, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        """Head on the needed rows, selection and sampling on the device, left lazy."""
+        rows = len(batch.plans)
         if not batch.wants_head:
-            mx.eval(hidden)
-            return np.zeros((len(batch.plans), 0), bool), np.zeros((len(batch.plans), 0))
+            return mx.zeros((rows, 0), mx.bool_), mx.zeros((rows, 0), mx.int32)
         slots = mx.array(batch.head_slots)
-        picked = mx.take_along_axis(hidden, slots[:, :, None], axis=1)
+        picked = mx.take_along_axis(hidden[:rows], slots[:, :, None], axis=1)
         logits = self.parts.head(picked).astype(mx.float32)
         arrays = batch.sampling_arrays()
         is_mask = mx.array(batch.head_is_mask)
-        if batch.any_wedlm:
-            ent = entropy(logits)
-        else:
-            ent = mx.zeros(is_mask.shape, dtype=mx.float32)
+        ent = entropy(logits) if batch.any_wedlm else mx.zeros(is_mask.shape, mx.float32)
         fills = select_fills(ent, is_mask, arrays["threshold"], arrays["penalty"])
         tokens = sample_tokens(
             logits,
@@ -161,46 +239,31 @@ class Engine:
             any_sampling=batch.any_sampling,
             any_filter=batch.any_filter,
         )
-        mx.eval(fills, tokens)
-        return np.array(fills), np.array(tokens)
+        return fills, tokens
 
-    def _postprocess(
-        self, batch: TickBatch, fills: np.ndarray, tokens: np.ndarray, elapsed: float
-    ) -> list[Commit]:
-        commits = []
-        for i, plan in enumerate(batch.plans):
-            seq = plan.seq
-            k = plan.head_slots.size
-            was_prefill = seq.phase is Phase.PREFILL
-            new = apply_result(plan, fills[i, :k], tokens[i, :k])
-            if was_prefill:
-                seq.prefill_s += elapsed
-            else:
-                seq.decode_s += elapsed
-            if new or seq.finished:
-                commits.append(Commit(seq, new))
-        return commits
+    def restart_on(self, pipeline: Pipeline, micro_batches: int | None = None) -> None:
+        """Continue on a new pipeline after losing a worker: forwards in flight are gone,
+        so every live sequence re-prefills its committed history, then decodes on."""
+        stale = [s.seq_id for s in self.scheduler.running]
+        stale += [i for ids in self._padding.values() for i in ids]
+        pipeline.release(stale)  # surviving workers may still hold rows of these
+        self.in_flight.clear()
+        self._padding.clear()
+        self.pipeline = pipeline
+        if micro_batches:
+            self.micro_batches = micro_batches
+        s = self.scheduler
+        for seq in s.running:
+            seq.restart_prefill()
+        s.groups_count = self.micro_batches
+        s.groups = [[] for _ in range(self.micro_batches)]
+        s.busy.clear()
 
-    def cancel(self, seq: Sequence) -> None:
-        """Finish a sequence now (client gone or job cancelled) and free its KV."""
-        if seq.finished:
-            return
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        seq.finish_reason = "cancelled"
-        seq.phase = Phase.FINISHED
-        if seq in self.running:
-            self.running.remove(seq)
-            self.pipeline.release([seq.seq_id])
-
-    def fail_running(self, reason: str) -> list[Sequence]:
-        """Finish every running sequence with an error (their KV state is unknown)."""
-        failed = list(self.running)
-        for seq in failed:
-            seq.finish_reason = "error"
-            seq.phase = Phase.FINISHED
-        self.running = []
-        return failed
+    def fail_all(self) -> list[Sequence]:
+        """Finish every running sequence with an error (a forward was lost)."""
+        self.in_flight.clear()
+        self._padding.clear()
+        return self.scheduler.fail_all()
 
     # ---- convenience ------------------------------------------------------------------
     def stream(self, seqs: list[Sequence]) -> Iterator[Commit]:
@@ -210,3 +273,13 @@ class Engine:
             for c in self.step():
                 if c.seq.seq_id in wanted:
                     yield c
+
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def _bucket(rows: int) -> int:
+    for b in BUCKETS:
+        if rows <= b:
+            return b
+    return -(-rows // 64) * 64

@@ -1,5 +1,5 @@
 """The thread that owns MLX in the coordinator: it takes new jobs and cancellations from a
-queue, ticks the engine, and publishes each tick's commits to the jobs."""
+queue, ticks the engine, publishes each tick's commits to the jobs, and keeps the metrics."""
 
 from __future__ import annotations
 
@@ -7,23 +7,45 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
-from common.tokenizer import Tokenizer
+from common.tokenizer import TextStream, Tokenizer
 from coordinator.engine import Engine
 from coordinator.jobs import Job
-from coordinator.results import result_record
-from coordinator.sequence import Sequence
+from coordinator.metrics import Metrics
+from coordinator.pipeline import Pipeline
+from coordinator.results import error_record, result_record
+from coordinator.scheduler import QueueFull
+from coordinator.sequence import Phase, Sequence
 
 log = logging.getLogger(__name__)
 
 
+class _Live:
+    """A job being decoded: its sequence, text stream and latency bookkeeping."""
+
+    def __init__(self, job: Job, seq: Sequence, stream: TextStream) -> None:
+        self.job, self.seq, self.stream = job, seq, stream
+        self.started: float | None = None  # admitted to running
+        self.last_token: float | None = None
+
+
 class EngineLoop(threading.Thread):
-    def __init__(self, engine: Engine, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        metrics: Metrics | None = None,
+        recover: Callable[[Exception], tuple[Pipeline, int] | None] | None = None,
+    ):
         super().__init__(name="engine", daemon=True)
+        self.recover = recover  # blocks until a new pipeline is ready (or gives up)
+        self.recoveries: list[float] = []  # seconds each recovery took
         self.engine = engine
         self.tokenizer = tokenizer
+        self.metrics = metrics or Metrics()
         self.inbox: queue.Queue = queue.Queue()
-        self._jobs: dict[int, tuple[Job, Sequence, object]] = {}
+        self._live: dict[int, _Live] = {}
         self._stop = threading.Event()
         self.ticks = 0
         self.last_progress = time.monotonic()
@@ -45,6 +67,7 @@ class EngineLoop(threading.Thread):
             self._drain(block=not self.engine.has_work)
             if self._stop.is_set():
                 break
+            self._expire()
             if self.engine.has_work:
                 self._tick()
 
@@ -62,20 +85,36 @@ class EngineLoop(threading.Thread):
 
     def _handle(self, kind: str, job: Job | None) -> None:
         if kind == "submit" and job is not None and not job.finished:
-            seq = self.engine.submit(job.prompt, job.params)
+            try:
+                seq = self.engine.submit(job.prompt, job.params)
+            except QueueFull as e:  # a backstop: the servicer checks the limits first
+                job.finish("failed", error_record(len(job.prompt), str(e)))
+                return
             job.seq_id = seq.seq_id
-            self._jobs[seq.seq_id] = (job, seq, self.tokenizer.detokenizer())
-        elif kind == "cancel" and job is not None and job.seq_id in self._jobs:
-            _, seq, _ = self._jobs[job.seq_id]
-            self.engine.cancel(seq)
-            self._finish(seq, "cancelled")
+            self._live[seq.seq_id] = _Live(job, seq, self.tokenizer.detokenizer())
+        elif kind == "cancel" and job is not None and job.seq_id in self._live:
+            self._end(self._live[job.seq_id], "cancelled")
+
+    def _expire(self) -> None:
+        now = time.time()
+        for live in list(self._live.values()):
+            deadline = live.job.deadline
+            if deadline is not None and now > deadline:
+                self._end(live, "cancelled", reason="deadline")
+
+    def _end(self, live: _Live, state: str, reason: str = "cancelled") -> None:
+        self.engine.cancel(live.seq)
+        live.seq.finish_reason = reason
+        self._finish(live.seq, state)
 
     def _tick(self) -> None:
         try:
             commits = self.engine.step()
-        except Exception as e:  # a worker failed mid-forward: its sequences cannot go on
+        except Exception as e:  # a worker failed mid-forward
             log.error("forward failed: %s", e)
-            failed = self.engine.fail_running(str(e))
+            if self.recover is not None and self._recover(e):
+                return
+            failed = self.engine.fail_all()
             for seq in failed:
                 self._finish(seq, "failed", error=str(e))
             try:  # best effort: reachable workers drop the rows now
@@ -84,24 +123,75 @@ class EngineLoop(threading.Thread):
                 log.warning("could not release KV after a failure: %s", release_error)
             return
         self.ticks += 1
-        self.last_progress = time.monotonic()
+        self.last_progress = now = time.monotonic()
         for commit in commits:
-            entry = self._jobs.get(commit.seq.seq_id)
-            if entry is None:
+            live = self._live.get(commit.seq.seq_id)
+            if live is None:
                 continue
-            job, seq, detok = entry
             if commit.tokens:
-                job.publish(commit.tokens, detok.add(commit.tokens))
-            if seq.finished:
-                self._finish(seq, "done")
+                self._observe_tokens(live, len(commit.tokens), now)
+                live.job.publish(commit.tokens, live.stream.add(commit.tokens))
+            if commit.seq.finished:
+                self._finish(commit.seq, "done")
+        self._mark_started(now)
+        self._gauges()
+
+    def _recover(self, error: Exception) -> bool:
+        """Re-plan over the workers that are left (or wait for one), then rebuild every
+        live sequence's KV from its tokens. Jobs are paused, not lost."""
+        start = time.monotonic()
+        result = self.recover(error)
+        if result is None:
+            return False
+        pipeline, micro_batches = result
+        self.engine.restart_on(pipeline, micro_batches)
+        self.recoveries.append(time.monotonic() - start)
+        log.warning("recovered in %.2f s; rebuilding KV", self.recoveries[-1])
+        return True
+
+    def _mark_started(self, now: float) -> None:
+        for live in self._live.values():
+            if live.started is None and live.seq.phase is not Phase.WAITING:
+                live.started = now
+                live.job.mark_running()
+                self.metrics.queue_time.observe(time.time() - live.job.created_at)
+
+    def _observe_tokens(self, live: _Live, count: int, now: float) -> None:
+        m = self.metrics
+        m.generation_tokens.inc(count)
+        if live.last_token is None:
+            m.ttft.observe(time.time() - live.job.created_at)
+        else:  # tokens committed together share the gap since the previous commit
+            gap = (now - live.last_token) / count
+            for _ in range(count):
+                m.itl.observe(gap)
+        live.last_token = now
+
+    def _gauges(self) -> None:
+        m, engine = self.metrics, self.engine
+        m.running.set(len(engine.running))
+        m.waiting.set(len(engine.waiting))
+        m.kv_rows.set(sum(s.kv_length for s in engine.running))
+        m.in_flight.set(len(engine.in_flight))
+        for link in getattr(engine.pipeline, "links", []):
+            for value in link.stats.drain_new():
+                m.worker_compute.labels(link.address).observe(value)
 
     def _finish(self, seq: Sequence, state: str, error: str = "") -> None:
-        entry = self._jobs.pop(seq.seq_id, None)
-        if entry is None:
+        live = self._live.pop(seq.seq_id, None)
+        if live is None:
             return
-        job, _, detok = entry
-        tail = detok.finish()  # text the streaming detokenizer held back
+        tail = live.stream.finish()  # text the streaming detokenizer held back
         if tail:
-            job.publish([], tail)
+            live.job.publish([], tail)
         record = result_record(seq, self.tokenizer.text(seq.output), error)
-        job.finish(state, record)
+        m = self.metrics
+        m.prompt_tokens.inc(seq.prefilled)
+        m.decode_forwards.inc(seq.forwards)
+        m.requests.labels(seq.finish_reason or state).inc()
+        m.e2e.observe(time.time() - live.job.created_at)
+        if seq.forwards:
+            m.tokens_per_forward.observe(len(seq.output) / seq.forwards)
+        if len(seq.output) > 1 and seq.decode_s:
+            m.tpot.observe(seq.decode_s / (len(seq.output) - 1))
+        live.job.finish(state, record)

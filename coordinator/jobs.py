@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
@@ -26,6 +25,7 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     result: dict[str, Any] | None = None
     seq_id: int | None = None
+    deadline: float | None = None  # wall-clock time after which the job is cancelled
     _listeners: list[queue.Queue] = field(default_factory=list, repr=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
@@ -44,6 +44,11 @@ class Job:
             else:
                 self._listeners.append(q)
         return q
+
+    def mark_running(self) -> None:
+        with self._cond:
+            if self.state == "queued":
+                self.state = "running"
 
     def publish(self, ids: list[int], text: str) -> None:
         with self._cond:
@@ -73,10 +78,11 @@ class JobRegistry:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._keep = keep_finished
-        self._order = itertools.count()
 
-    def create(self, prompt: list[int], params: GenerationParams) -> Job:
+    def create(self, prompt: list[int], params: GenerationParams, deadline_s: float = 0.0) -> Job:
         job = Job(uuid.uuid4().hex, prompt, params)
+        if deadline_s > 0:
+            job.deadline = job.created_at + deadline_s
         with self._lock:
             self._jobs[job.job_id] = job
             self._trim()
@@ -86,10 +92,11 @@ class JobRegistry:
         with self._lock:
             return self._jobs.get(job_id)
 
-    def counts(self) -> dict[str, int]:
+    def load(self) -> tuple[int, int]:
+        """Unfinished jobs, and the prompt tokens of those not yet running."""
         with self._lock:
-            states = [j.state for j in self._jobs.values()]
-        return {s: states.count(s) for s in ("queued", "running")}
+            active = [j for j in self._jobs.values() if not j.finished]
+        return len(active), sum(len(j.prompt) for j in active if j.state == "queued")
 
     def _trim(self) -> None:
         done = [j for j in self._jobs.values() if j.finished]

@@ -62,6 +62,10 @@ def run_local(args: argparse.Namespace) -> int:
             secret=secret,
             expect=args.workers,
             max_running=args.max_running,
+            max_queued=args.max_queued,
+            max_queued_tokens=args.max_queued_tokens,
+            micro_batches=args.micro_batches or 0,
+            metrics_port=args.metrics_port,
             wait_timeout_s=args.wait_timeout,
             kv_reserve_tokens=args.kv_reserve_tokens,
         )

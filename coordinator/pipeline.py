@@ -1,9 +1,10 @@
-"""Where the transformer layers run. The engine hands each tick's hidden states and row
-spec to a pipeline and gets the last layer's hidden states back; this one runs them
-in-process (a cluster pipeline sends them through the workers instead)."""
+"""Where the transformer layers run. The engine submits each micro-batch's hidden states
+and row spec to a pipeline and later collects the last layer's hidden states, in order.
+This one runs the layers in-process; RemotePipeline sends them through the workers."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 import mlx.core as mx
@@ -14,8 +15,11 @@ from common.rows_spec import RowsSpec
 
 
 class Pipeline(Protocol):
-    def forward(self, spec: RowsSpec, hidden: mx.array) -> mx.array:
-        """Run all layers over hidden [rows, T, H]; then keep spec.keeps[b] rows as KV."""
+    def submit(self, batch_id: int, spec: RowsSpec, hidden: mx.array) -> None:
+        """Start running all layers over hidden [rows, T, H]; then keep spec.keeps rows."""
+
+    def collect(self) -> tuple[int, mx.array]:
+        """The oldest submitted micro-batch's id and final hidden states (blocks)."""
 
     def release(self, seq_ids: list[int]) -> None:
         """Forget these sequences' KV everywhere."""
@@ -24,9 +28,18 @@ class Pipeline(Protocol):
 class LocalPipeline:
     def __init__(self, parts: ModelParts) -> None:
         self.runner = LayerRunner(parts)
+        self._done: deque[tuple[int, mx.array]] = deque()
 
     def forward(self, spec: RowsSpec, hidden: mx.array) -> mx.array:
         return self.runner.forward(spec, hidden)
+
+    def submit(self, batch_id: int, spec: RowsSpec, hidden: mx.array) -> None:
+        out = self.runner.forward(spec, hidden)
+        mx.async_eval(out)  # the device starts while the host plans the next micro-batch
+        self._done.append((batch_id, out))
+
+    def collect(self) -> tuple[int, mx.array]:
+        return self._done.popleft()
 
     def release(self, seq_ids: list[int]) -> None:
         self.runner.release(seq_ids)

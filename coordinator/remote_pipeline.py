@@ -1,17 +1,25 @@
-"""Runs the layers on the workers: hidden states go to the first worker, each reply's
-tensor goes unchanged to the next, and the last reply comes back as an MLX array."""
+"""Runs the layers on the workers. A micro-batch's hidden states go to the first worker;
+each worker's reply is relayed to the next worker as soon as it arrives (by that link's
+reader thread, touching only bytes), so several micro-batches can be in flight at once,
+one per pipeline stage. The last worker's replies come back in order."""
 
 from __future__ import annotations
 
 import itertools
+import logging
+import queue
+import threading
 
+import grpc
 import mlx.core as mx
 import numpy as np
 
 from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode
-from coordinator.worker_link import WorkerLink
+from coordinator.worker_link import WorkerCallError, WorkerLink
+
+log = logging.getLogger(__name__)
 
 
 def forward_request(batch_id: int, spec: RowsSpec, hidden: pb.Tensor) -> pb.ForwardRequest:
@@ -28,21 +36,71 @@ def forward_request(batch_id: int, spec: RowsSpec, hidden: pb.Tensor) -> pb.Forw
 
 
 class RemotePipeline:
-    def __init__(self, links: list[WorkerLink]) -> None:
+    def __init__(self, links: list[WorkerLink], deadline_s: float = 30.0) -> None:
         self.links = links  # in layer order
+        self.deadline_s = deadline_s
         self._ids = itertools.count(1)
+        self._specs: dict[int, RowsSpec] = {}
+        self._lock = threading.Lock()
+        self._done: queue.Queue = queue.Queue()
+        self.broken: WorkerCallError | None = None  # set once a worker is lost
+        for stage, link in enumerate(links):
+            link.on_reply = self._relay_from(stage)
+
+    def _relay_from(self, stage: int):
+        def relay(reply: pb.ForwardReply | WorkerCallError) -> None:
+            if isinstance(reply, WorkerCallError) or stage + 1 == len(self.links):
+                self._done.put(reply)
+                return
+            with self._lock:
+                spec = self._specs.get(reply.batch_id)
+            if spec is None:  # abandoned after a failure
+                return
+            self.links[stage + 1].send(forward_request(reply.batch_id, spec, reply.hidden))
+
+        return relay
+
+    def submit(self, batch_id: int, spec: RowsSpec, hidden: mx.array) -> None:
+        if self.broken is not None:
+            raise self.broken
+        with self._lock:
+            self._specs[batch_id] = spec
+        self.links[0].send(forward_request(batch_id, spec, encode(hidden)))
+
+    def collect(self) -> tuple[int, mx.array]:
+        try:
+            reply = self._done.get(timeout=self.deadline_s * len(self.links))
+        except queue.Empty:
+            raise WorkerCallError(
+                "pipeline", grpc.StatusCode.DEADLINE_EXCEEDED, "no reply from the last worker"
+            ) from None
+        if isinstance(reply, WorkerCallError):
+            with self._lock:
+                self._specs.clear()
+            self.broken = reply
+            raise reply
+        with self._lock:
+            self._specs.pop(reply.batch_id, None)
+        return reply.batch_id, decode(reply.hidden)
 
     def forward(self, spec: RowsSpec, hidden: mx.array) -> mx.array:
-        batch_id = next(self._ids)
-        tensor = encode(hidden)
-        for link in self.links:
-            link.send(forward_request(batch_id, spec, tensor))
-            tensor = link.receive().hidden
-        return decode(tensor)
+        """One micro-batch, start to finish (nothing else may be in flight)."""
+        batch_id = next(self._ids) + (1 << 40)
+        self.submit(batch_id, spec, hidden)
+        return self.collect()[1]
 
     def release(self, seq_ids: list[int]) -> None:
+        """Best effort: a worker that cannot be reached holds nothing we will reuse."""
         for link in self.links:
-            link.release(seq_ids)
+            try:
+                link.release(seq_ids)
+            except WorkerCallError as e:
+                log.warning("release on %s failed: %s", link.address, e)
+
+    def abort(self, error: WorkerCallError) -> None:
+        """A worker stopped answering heartbeats: fail what is pending and what comes."""
+        self.broken = error
+        self._done.put(error)
 
     def close(self) -> None:
         for link in self.links:

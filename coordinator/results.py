@@ -23,3 +23,19 @@ def result_record(seq: Sequence, text: str, error: str = "") -> dict[str, Any]:
     if error:
         record["error"] = error
     return record
+
+
+def error_record(prompt_tokens: int, message: str) -> dict[str, Any]:
+    """The record of a request that ended before producing anything."""
+    return {
+        "tokens": [],
+        "text": "",
+        "finish_reason": "error",
+        "prompt_tokens": prompt_tokens,
+        "forwards": 0,
+        "tokens_per_forward": 0.0,
+        "prefill_s": 0.0,
+        "decode_s": 0.0,
+        "decode_tokens_per_s": None,
+        "error": message,
+    }

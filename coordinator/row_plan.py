@@ -29,11 +29,13 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 
 def plan_prefill(seq: Sequence, chunk: int) -> RowPlan:
-    """The next chunk of the prompt; AR needs the last prompt row's logits."""
+    """The next chunk of the prompt (or of the history being rebuilt); AR needs the last
+    prompt row's logits, a rebuild needs none."""
     start = seq.prefilled
-    tokens = np.asarray(seq.prompt[start : start + chunk], dtype=np.int32)
-    last = start + tokens.size == len(seq.prompt)
-    wants_head = last and seq.params.mode == "ar"
+    source = seq.prefill_tokens()
+    tokens = np.asarray(source[start : start + chunk], dtype=np.int32)
+    last = start + tokens.size == len(source)
+    wants_head = last and seq.params.mode == "ar" and not seq.rebuild_to
     head = np.array([tokens.size - 1]) if wants_head else _NONE
     return RowPlan(
         seq=seq,
@@ -92,9 +94,12 @@ def apply_result(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> list[i
     if seq.phase in (Phase.WAITING, Phase.PREFILL):
         seq.prefilled += plan.keep
         seq.phase = Phase.PREFILL
-        if seq.prefilled < len(seq.prompt):
+        if seq.prefilled < len(seq.prefill_tokens()):
             return []
         seq.phase = Phase.DECODE
+        if seq.rebuild_to:  # history rebuilt: decoding resumes where it stopped
+            seq.rebuild_to = 0
+            return []
         if seq.params.mode == "wedlm":  # prefill logits are discarded
             w = seq.params.window
             seq.window_tokens = np.zeros(w, dtype=np.int32)

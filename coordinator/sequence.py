@@ -27,6 +27,7 @@ class Sequence:
     phase: Phase = Phase.WAITING
     kv_length: int = 0  # rows of permanent KV (prompt + committed, minus AR's last token)
     prefilled: int = 0  # prompt tokens already in the KV
+    rebuild_to: int = 0  # > 0 while re-prefilling committed history after a worker loss
     # WeDLM window, in logical slot order: slot i sits at position kv_length + i.
     window_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     window_filled: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
@@ -39,6 +40,22 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.phase is Phase.FINISHED
+
+    def prefill_tokens(self) -> list[int]:
+        """What prefill must put into the KV: the prompt, or after a worker loss the whole
+        committed history (prompt + output up to the KV length it had)."""
+        if self.rebuild_to:
+            return (self.prompt + self.output)[: self.rebuild_to]
+        return self.prompt
+
+    def restart_prefill(self) -> None:
+        """Forget the KV (its worker is gone); keep tokens, window and counters."""
+        if self.phase is Phase.DECODE:
+            self.rebuild_to = self.kv_length
+        self.kv_length = 0
+        self.prefilled = 0
+        if not self.finished:
+            self.phase = Phase.PREFILL
 
     def leading_filled(self) -> int:
         """p: the number of filled slots before the first mask (all of them if no mask)."""

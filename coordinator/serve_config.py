@@ -20,6 +20,10 @@ KEYS: dict[str, tuple[type, str]] = {
     "expect": (int, "workers to wait for"),
     "bonjour": (bool, "find workers over Bonjour"),
     "max_running": (int, "sequences decoded at once"),
+    "max_queued": (int, "requests waiting beyond max_running"),
+    "max_queued_tokens": (int, "prompt tokens waiting"),
+    "micro_batches": (int, "micro-batches in flight"),
+    "metrics_port": (int, "Prometheus metrics HTTP port"),
     "kv_reserve_tokens": (int, "KV tokens reserved per worker when planning"),
     "wait_timeout": (float, "seconds to wait for workers"),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,12 +21,14 @@ from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tokenizer import Tokenizer
 from coordinator.cluster_setup import WorkerEntry, assemble, pipeline_links
 from coordinator.discovery import WorkerBrowser, parse_static, wait_for_workers
-from coordinator.engine import Engine
+from coordinator.engine import Engine, Limits
 from coordinator.engine_loop import EngineLoop
+from coordinator.heartbeat import Heartbeat
 from coordinator.jobs import JobRegistry
+from coordinator.metrics import Metrics
 from coordinator.remote_pipeline import RemotePipeline
 from coordinator.servicer import CoordinatorServicer
-from coordinator.worker_link import MESSAGE_LIMIT
+from coordinator.worker_link import MESSAGE_LIMIT, WorkerCallError
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +44,20 @@ class ServeOptions:
     expect: int = 1
     bonjour: bool = True
     max_running: int = 16
+    max_queued: int = 256
+    max_queued_tokens: int = 1 << 20
+    micro_batches: int = 0  # 0: one per pipeline stage
+    metrics_port: int | None = None
     wait_timeout_s: float = 600.0
+    recovery_timeout_s: float = 600.0  # how long to wait for workers after a loss
     kv_reserve_tokens: int = 32768
 
 
 class _NotReady:
-    def forward(self, spec, hidden):
+    def submit(self, batch_id, spec, hidden):
+        raise WedlmError("no workers are planned yet")
+
+    def collect(self):
         raise WedlmError("no workers are planned yet")
 
     def release(self, seq_ids):
@@ -65,7 +76,12 @@ class CoordinatorServer:
             opts.max_running,
             text_tail=self.tokenizer.decode,
             stop_ids=self.tokenizer.stop_ids,
+            limits=Limits(max_queued=opts.max_queued, max_queued_tokens=opts.max_queued_tokens),
         )
+        self.metrics = Metrics()
+        self.metrics_port = None
+        if opts.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(opts.metrics_port, opts.host)
         self.jobs = JobRegistry()
         self.loop: EngineLoop | None = None
         self.state = "waiting-for-workers"
@@ -74,6 +90,9 @@ class CoordinatorServer:
         self.health = health.HealthServicer()
         self.ready = threading.Event()
         self.failed: str | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.recovery_problem = ""
+        self._stopping = threading.Event()
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=64),
             options=[
@@ -114,9 +133,11 @@ class CoordinatorServer:
                 found, self.config, opts.secret, opts.cluster, opts.kv_reserve_tokens
             )
             links = pipeline_links(self.entries)
-            self.engine.pipeline = RemotePipeline(links)
-            self.loop = EngineLoop(self.engine, self.tokenizer)
+            self.engine.use_pipeline(RemotePipeline(links), opts.micro_batches or len(links))
+            self.loop = EngineLoop(self.engine, self.tokenizer, self.metrics, self.recover)
             self.loop.start()
+            self.heartbeat = Heartbeat(self._current_pipeline)
+            self.heartbeat.start()
             self.state = "serving"
             self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         except (WedlmError, OSError) as e:
@@ -125,6 +146,49 @@ class CoordinatorServer:
             log.error("%s", e)
         finally:
             self.ready.set()
+
+    def _current_pipeline(self) -> RemotePipeline | None:
+        pipeline = self.engine.pipeline
+        return pipeline if isinstance(pipeline, RemotePipeline) else None
+
+    def _candidates(self) -> list:
+        static = parse_static(self.opts.workers)
+        found = self.browser.workers() if self.browser is not None else []
+        seen = {c.address for c in static}
+        return static + [c for c in found if c.address not in seen]
+
+    def recover(self, error: Exception) -> tuple[RemotePipeline, int] | None:
+        """Called by the engine thread after losing a worker: re-plan over the workers that
+        answer now, retrying until one plan works (a fixed range needs its worker back)."""
+        self.state = "recovering"
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        old = self._current_pipeline()
+        if old is not None:
+            old.close()
+        deadline = time.monotonic() + self.opts.recovery_timeout_s
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            try:
+                entries = assemble(
+                    self._candidates(),
+                    self.config,
+                    self.opts.secret,
+                    self.opts.cluster,
+                    self.opts.kv_reserve_tokens,
+                    probe_timeout_s=2.0,
+                )
+                links = pipeline_links(entries)
+            except (WedlmError, WorkerCallError) as e:
+                self.recovery_problem = str(e)
+                log.warning("recovery: %s; retrying", e)
+                self._stopping.wait(1.0)
+                continue
+            self.entries = entries
+            self.state = "serving"
+            self.recovery_problem = ""
+            self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+            return RemotePipeline(links), self.opts.micro_batches or len(links)
+        self.state = "failed"
+        return None
 
     def cluster_status(self) -> pb.ClusterStatusReply:
         reply = pb.ClusterStatusReply(
@@ -149,6 +213,9 @@ class CoordinatorServer:
         return reply
 
     def stop(self, grace: float = 2.0) -> None:
+        self._stopping.set()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait()
         if self.loop is not None:

@@ -42,7 +42,31 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--port", type=_port, default=50051, help="port (0 = any free port)")
     p.add_argument("--cluster", default="default", help="cluster name (workers must match)")
     p.add_argument("--secret", default=os.environ.get("WEDLM_SECRET"), help="cluster secret")
-    p.add_argument("--max-running", type=_positive, default=16)
+    p.add_argument("--max-running", type=_positive, default=16, help="sequences decoded at once")
+    p.add_argument(
+        "--max-queued",
+        type=_positive,
+        default=256,
+        help="requests waiting beyond --max-running; more get RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=_positive,
+        default=1 << 20,
+        help="prompt tokens waiting; more get RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=_positive,
+        default=None,
+        help="micro-batches in flight (default: one per worker)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        help="serve Prometheus metrics on this HTTP port (0: any free port)",
+    )
     p.add_argument("--kv-reserve-tokens", type=_positive, default=32768)
     p.add_argument("--wait-timeout", type=float, default=600.0, help="seconds to find workers")
 
@@ -108,12 +132,21 @@ def serve(args: argparse.Namespace) -> int:
         expect=args.expect,
         bonjour=not args.no_bonjour,
         max_running=args.max_running,
+        max_queued=args.max_queued,
+        max_queued_tokens=args.max_queued_tokens,
+        micro_batches=args.micro_batches or 0,
+        metrics_port=args.metrics_port,
         wait_timeout_s=args.wait_timeout,
         kv_reserve_tokens=args.kv_reserve_tokens,
     )
     server = CoordinatorServer(opts)
     server.start()
     print(f"wedlm-coordinator listening on {args.host}:{server.port}", flush=True)
+    if server.metrics_port is not None:
+        print(
+            f"wedlm-coordinator metrics on http://{args.host}:{server.metrics_port}/metrics",
+            flush=True,
+        )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

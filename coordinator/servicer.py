@@ -4,6 +4,7 @@ engine thread; no decoding happens here."""
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -67,6 +68,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.loop = loop  # None until the workers are planned
         self.cluster_status = cluster_status
         self.model_name = model_name
+        self._admission = threading.Lock()  # checks and creation happen together
 
     # ---- helpers ---------------------------------------------------------------------
     def _accept(self, request: pb.GenerateRequest, context) -> Job:
@@ -77,11 +79,31 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             params = params_from_request(request)
             prompt = prompt_from_request(request, self.tokenizer)
             self.engine.validate_prompt(prompt, params)
+            if request.deadline_s < 0 or request.deadline_s != request.deadline_s:
+                raise InvalidRequest(f"deadline_s must be >= 0, got {request.deadline_s}")
         except (InvalidRequest, CheckpointError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        job = self.jobs.create(prompt, params)
+        with self._admission:
+            self._check_room(len(prompt), context)
+            job = self.jobs.create(prompt, params, request.deadline_s)
         loop.submit(job)
         return job
+
+    def _check_room(self, prompt_tokens: int, context) -> None:
+        """Refuse at once, rather than queue without bound."""
+        limits = self.engine.scheduler.limits
+        active, tokens = self.jobs.load()
+        if active >= limits.max_running + limits.max_queued:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"overloaded: {active} requests accepted ({limits.max_running} run at once, "
+                f"{limits.max_queued} may wait); retry later",
+            )
+        if tokens + prompt_tokens > limits.max_queued_tokens:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"overloaded: {tokens} prompt tokens queued (limit {limits.max_queued_tokens})",
+            )
 
     def _job(self, job_id: str, context) -> Job:
         job = self.jobs.get(job_id)

@@ -16,7 +16,7 @@ WIDTH_STEP = 8  # batched window widths are padded to multiples of this (bounded
 
 @dataclass
 class TickBatch:
-    plans: list[RowPlan]  # one per row of this forward
+    plans: list[RowPlan]  # one per row of this forward (padding rows follow them)
     tokens: np.ndarray  # [B, T]
     spec: RowsSpec  # what the layers need: sequences, starts, filled flags, keeps
     head_slots: np.ndarray  # [B, K]
@@ -45,7 +45,8 @@ class TickBatch:
             "top_k": col(lambda r: r.top_k, 0, mx.int32),
             "top_p": col(lambda r: r.top_p, 1.0, mx.float32),
             "seed": mx.array([r.seed if r else 0 for r in rows], dtype=mx.uint32),
-            "counter": mx.array([p.seq.forwards if p else 0 for p in self.plans], dtype=mx.uint32),
+            # Read when the micro-batch completes, after every earlier step's postprocess
+            "counter": mx.array([p.seq.forwards for p in self.plans], dtype=mx.uint32),
         }
 
     @property
@@ -64,26 +65,34 @@ class TickBatch:
         return any(p.head_slots.size and p.seq.params.mode == "wedlm" for p in self.plans)
 
 
-def build_batch(plans: list[RowPlan]) -> TickBatch:
+def build_batch(plans: list[RowPlan], padding_ids: list[int] = ()) -> TickBatch:
+    """Rows for `plans`, then padding rows (ids of their own, one filled slot, nothing kept)
+    up to the bucketed row count."""
     width = max(p.width for p in plans)
-    if len(plans) > 1:
+    b = len(plans) + len(padding_ids)
+    # WeDLM windows change width (W + p) every step; padding them to a step keeps the set
+    # of shapes small (a new shape costs a new kernel/graph). A lone prefill or AR row
+    # stays exact so that it takes the plain causal fast path.
+    windowed = any(p.commits or not p.filled.all() for p in plans)
+    if (b > 1 or windowed) and width > 1:
         width = -(-width // WIDTH_STEP) * WIDTH_STEP
     heads = max(p.head_slots.size for p in plans)
-    b = len(plans)
     tokens = np.zeros((b, width), dtype=np.int32)
     filled = np.zeros((b, width), dtype=bool)
-    head_slots = np.zeros((b, heads), dtype=np.int64)
-    head_is_mask = np.zeros((b, heads), dtype=bool)
+    head_slots = np.zeros((len(plans), heads), dtype=np.int64)
+    head_is_mask = np.zeros((len(plans), heads), dtype=bool)
     for i, p in enumerate(plans):
         tokens[i, : p.width] = p.tokens
         filled[i, : p.width] = p.filled
         head_slots[i, : p.head_slots.size] = p.head_slots
         head_is_mask[i, : p.head_is_mask.size] = p.head_is_mask
+    filled[len(plans) :, 0] = True
+    pad = len(padding_ids)
     spec = RowsSpec(
-        seq_ids=[p.seq.seq_id for p in plans],
-        starts=np.array([p.seq.kv_length for p in plans], dtype=np.int64),
-        widths=np.array([p.width for p in plans], dtype=np.int64),
+        seq_ids=[p.seq.seq_id for p in plans] + list(padding_ids),
+        starts=np.array([p.seq.kv_length for p in plans] + [0] * pad, dtype=np.int64),
+        widths=np.array([p.width for p in plans] + [1] * pad, dtype=np.int64),
         filled=filled,
-        keeps=np.array([p.keep for p in plans], dtype=np.int64),
+        keeps=np.array([p.keep for p in plans] + [0] * pad, dtype=np.int64),
     )
     return TickBatch(plans, tokens, spec, head_slots, head_is_mask)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -36,12 +38,20 @@ class WorkerCallError(RuntimeError):
 
 @dataclass
 class HopStats:
-    compute_s: list[float] = field(default_factory=list)
-    roundtrip_s: list[float] = field(default_factory=list)
+    compute_s: deque = field(default_factory=lambda: deque(maxlen=256))
+    roundtrip_s: deque = field(default_factory=lambda: deque(maxlen=256))
+    fresh: deque = field(default_factory=lambda: deque(maxlen=4096))  # not yet exported
 
-    def add(self, compute: float, roundtrip: float, keep: int = 256) -> None:
-        self.compute_s = [*self.compute_s[-keep + 1 :], compute]
-        self.roundtrip_s = [*self.roundtrip_s[-keep + 1 :], roundtrip]
+    def add(self, compute: float, roundtrip: float) -> None:
+        self.compute_s.append(compute)
+        self.roundtrip_s.append(roundtrip)
+        self.fresh.append(compute)
+
+    def drain_new(self) -> list[float]:
+        out = []
+        while self.fresh:
+            out.append(self.fresh.popleft())
+        return out
 
 
 class WorkerLink:
@@ -60,9 +70,13 @@ class WorkerLink:
         self.stub = pb_grpc.WorkerStub(self.channel)
         self.stats = HopStats()
         self._outbox: queue.Queue | None = None
+        self._stream = None
         self._replies: queue.Queue = queue.Queue()
         self._sent_at: list[float] = []
         self._lock = threading.Lock()
+        # When set, replies (or a WorkerCallError) go to this callback on the reader
+        # thread instead of the receive() queue: pipelines relay them to the next stage.
+        self.on_reply: Callable[[pb.ForwardReply | WorkerCallError], None] | None = None
 
     def _md(self, method: str):
         return call_metadata(self.secret, f"/wedlm.v1.Worker/{method}", self.model_identity)
@@ -94,16 +108,29 @@ class WorkerLink:
                 yield item
 
         replies = self.stub.Forward(requests(), metadata=self._md("Forward"))
+        self._stream = replies
         threading.Thread(target=self._read, args=(replies,), daemon=True).start()
         self._outbox = outbox
 
     def _read(self, replies) -> None:
         try:
             for reply in replies:
-                self._replies.put(reply)
-            self._replies.put(WorkerCallError(self.address, grpc.StatusCode.CANCELLED, "closed"))
+                self._deliver(reply)
+            error = WorkerCallError(self.address, grpc.StatusCode.CANCELLED, "stream closed")
         except grpc.RpcError as e:
-            self._replies.put(WorkerCallError(self.address, e.code(), e.details() or ""))
+            error = WorkerCallError(self.address, e.code(), e.details() or "")
+        if replies is self._stream:  # a stream dropped on purpose reports nothing
+            self._reset()
+            self._deliver(error)
+
+    def _deliver(self, item: pb.ForwardReply | WorkerCallError) -> None:
+        if isinstance(item, pb.ForwardReply):
+            sent = self._sent_at.pop(0) if self._sent_at else time.perf_counter()
+            self.stats.add(item.compute_s, time.perf_counter() - sent)
+        if self.on_reply is not None:
+            self.on_reply(item)
+        else:
+            self._replies.put(item)
 
     def send(self, request: pb.ForwardRequest) -> None:
         with self._lock:
@@ -122,18 +149,16 @@ class WorkerLink:
                 self.address, grpc.StatusCode.DEADLINE_EXCEEDED, "no reply to a forward"
             ) from None
         if isinstance(item, WorkerCallError):
-            self._reset()
             raise item
-        sent = self._sent_at.pop(0) if self._sent_at else time.perf_counter()
-        self.stats.add(item.compute_s, time.perf_counter() - sent)
         return item
 
     def _reset(self) -> None:
-        """Drop a broken stream; the next send opens a fresh one."""
+        """Drop the stream; the next send opens a fresh one."""
         with self._lock:
             if self._outbox is not None:
                 self._outbox.put(_CLOSE)
             self._outbox = None
+            self._stream = None
             self._sent_at.clear()
             self._replies = queue.Queue()
 

@@ -53,8 +53,9 @@ def test_committed_kv_equals_a_fresh_prefill(qwen3):
         np.testing.assert_allclose(
             np.array(ours.values[0, :, :t]), np.array(ref.values[0, :, :t]), atol=1e-5
         )
-    local.engine.running.remove(seq)
-    local.engine.pipeline.release([seq.seq_id])
+    local.engine.cancel(seq)
+    local.engine.step()  # reaps the cancelled sequence and releases its KV
+    assert seq.seq_id not in local.engine.pipeline.runner.store
 
 
 def test_prompt_containing_the_mask_id(qwen3):

@@ -140,7 +140,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "mode", "window", "threshold", "one_by_one", "penalty", "temperature", "top_p", "top_k", "max_tokens", "stop_ids", "stop", "seed")
+    __slots__ = ("text", "token_ids", "chat", "mode", "window", "threshold", "one_by_one", "penalty", "temperature", "top_p", "top_k", "max_tokens", "stop_ids", "stop", "seed", "deadline_s")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class GenerateRequest(_message.Message):
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: bool
@@ -171,7 +172,8 @@ class GenerateRequest(_message.Message):
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
     stop: _containers.RepeatedScalarFieldContainer[str]
     seed: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., window: _Optional[int] = ..., threshold: _Optional[float] = ..., one_by_one: _Optional[bool] = ..., penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ...) -> None: ...
+    deadline_s: float
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., window: _Optional[int] = ..., threshold: _Optional[float] = ..., one_by_one: _Optional[bool] = ..., penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "forwards", "tokens_per_forward", "prefill_s", "decode_s", "queue_s")

@@ -1,0 +1,79 @@
+"""Prometheus metrics of the coordinator, named and defined like vLLM's (prefix `wedlm:`),
+served as text on an HTTP side port by prometheus-client."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 640)
+_TOKEN_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("wedlm:num_requests_running", "Requests being decoded.", registry=r)
+        self.waiting = Gauge("wedlm:num_requests_waiting", "Requests waiting to start.", registry=r)
+        self.kv_rows = Gauge(
+            "wedlm:kv_cache_usage_rows", "Committed KV rows held for running requests.", registry=r
+        )
+        self.in_flight = Gauge(
+            "wedlm:micro_batches_in_flight", "Micro-batches in the worker pipeline.", registry=r
+        )
+        self.prompt_tokens = Counter("wedlm:prompt_tokens", "Prefilled prompt tokens.", registry=r)
+        self.generation_tokens = Counter(
+            "wedlm:generation_tokens", "Committed generated tokens.", registry=r
+        )
+        self.decode_forwards = Counter(
+            "wedlm:decode_forwards", "Forwards that produced tokens, per request.", registry=r
+        )
+        self.requests = Counter(
+            "wedlm:request_success", "Finished requests.", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "wedlm:time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "wedlm:inter_token_latency_seconds",
+            "Time between committed tokens.",
+            buckets=_TOKEN_LATENCY,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "wedlm:time_per_output_token_seconds",
+            "Decode time per output token of a request.",
+            buckets=_TOKEN_LATENCY,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "wedlm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "wedlm:request_queue_time_seconds",
+            "Time requests wait before running.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tokens_per_forward = Histogram(
+            "wedlm:tokens_per_forward",
+            "Committed tokens per forward, per finished request.",
+            buckets=(0.5, 1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8, 12, 16),
+            registry=r,
+        )
+        self.worker_compute = Histogram(
+            "wedlm:worker_compute_seconds",
+            "Layer compute time per forward on each worker.",
+            ["worker"],
+            buckets=_TOKEN_LATENCY,
+            registry=r,
+        )
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port
