@@ -155,7 +155,9 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
     seq.params = dataclasses.replace(seq.params, extra_stop_ids=(), stop_ids=())
     parts = engine.parts
     prof = {"run": 0.0, "graph": 0.0}
-    run, fwd = engine._run, engine.pipeline.forward
+    run, fwd = engine._complete, engine.pipeline.submit
+    if bare:  # a bare forward between steps cannot overlap a forward launched ahead
+        engine._launch_ahead = lambda flight, tokens: False
 
     def timed(key, fn):
         def wrapper(*a):
@@ -166,7 +168,7 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
 
         return wrapper
 
-    engine._run, engine.pipeline.forward = timed("run", run), timed("graph", fwd)
+    engine._complete, engine.pipeline.submit = timed("run", run), timed("graph", fwd)
     steps, bares, widths, split = [], [], [], {"host": [], "graph": [], "rest": []}
     t_first = None
     try:
@@ -194,7 +196,8 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
             if t_first is None and seq.output:
                 t_first = now()
     finally:
-        del engine._run, engine.pipeline.forward
+        del engine._complete, engine.pipeline.submit
+        engine.__dict__.pop("_launch_ahead", None)
     wall = now() - t_first  # includes the bare forwards when `bare`: not a decode rate then
     out = {
         "tokens": len(seq.output),
