@@ -161,6 +161,9 @@ class Engine:
         batch_id, hidden = self.pipeline.collect()
         assert batch_id == flight.batch_id, "micro-batches complete in order"
         fills, tokens = self._select(flight.batch, hidden)
+        # Queue this step's selection before the look-ahead forward: the device runs its
+        # work in order, so the sync below then waits for step t only, not for t+1.
+        mx.async_eval(fills, tokens)
         ahead = self._launch_ahead(flight, tokens)
         mx.eval(fills, tokens)  # the one host sync of this micro-batch
         self.forwards += 1
