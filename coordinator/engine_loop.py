@@ -54,8 +54,8 @@ class EngineLoop(threading.Thread):
     def submit(self, job: Job) -> None:
         self.inbox.put(("submit", job))
 
-    def cancel(self, job: Job) -> None:
-        self.inbox.put(("cancel", job))
+    def cancel(self, job: Job, reason: str = "cancelled") -> None:
+        self.inbox.put(("cancel", job, reason))
 
     def stop(self) -> None:
         self._stop.set()
@@ -83,7 +83,7 @@ class EngineLoop(threading.Thread):
             except queue.Empty:
                 return
 
-    def _handle(self, kind: str, job: Job | None) -> None:
+    def _handle(self, kind: str, job: Job | None, reason: str = "cancelled") -> None:
         if kind == "submit" and job is not None and not job.finished:
             try:
                 seq = self.engine.submit(job.prompt, job.params)
@@ -93,7 +93,7 @@ class EngineLoop(threading.Thread):
             job.seq_id = seq.seq_id
             self._live[seq.seq_id] = _Live(job, seq, self.tokenizer.detokenizer())
         elif kind == "cancel" and job is not None and job.seq_id in self._live:
-            self._end(self._live[job.seq_id], "cancelled")
+            self._end(self._live[job.seq_id], "cancelled", reason)
 
     def _expire(self) -> None:
         now = time.time()

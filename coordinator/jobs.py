@@ -7,10 +7,12 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.generation_params import GenerationParams
+from coordinator.job_store import JobStore, decode_request, encode_request
 
 TERMINAL = ("done", "cancelled", "failed")
 
@@ -26,6 +28,7 @@ class Job:
     result: dict[str, Any] | None = None
     seq_id: int | None = None
     deadline: float | None = None  # wall-clock time after which the job is cancelled
+    on_finish: Callable[[Job], None] | None = field(default=None, repr=False)
     _listeners: list[queue.Queue] = field(default_factory=list, repr=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
@@ -67,6 +70,8 @@ class Job:
                 q.put(("final", result))
             self._listeners.clear()
             self._cond.notify_all()
+        if self.on_finish is not None:
+            self.on_finish(self)
 
     def wait(self, timeout: float | None) -> bool:
         with self._cond:
@@ -74,15 +79,44 @@ class Job:
 
 
 class JobRegistry:
-    def __init__(self, keep_finished: int = 10_000) -> None:
+    def __init__(self, keep_finished: int = 10_000, store: JobStore | None = None) -> None:
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._keep = keep_finished
+        self.store = store
+
+    def _persist(self, job: Job) -> None:
+        if self.store is not None:
+            self.store.accepted(
+                job.job_id, job.created_at, encode_request(job.prompt, job.params, job.deadline)
+            )
+            job.on_finish = lambda j: self.store.finished(j.job_id, j.state, j.result)
+
+    def restore(self) -> list[Job]:
+        """Jobs from the store: finished ones become retrievable again, unfinished ones are
+        returned to be run (from the start: a restart lost their progress, not the job)."""
+        if self.store is None:
+            return []
+        pending = []
+        for row in self.store.load():
+            prompt, params, deadline = decode_request(row["request"])
+            job = Job(row["job_id"], prompt, params, created_at=row["created_at"])
+            job.deadline = deadline
+            if row["result"] is not None:
+                job.state, job.result = row["state"], row["result"]
+                job.tokens = list(row["result"].get("tokens", []))
+            else:
+                job.on_finish = lambda j: self.store.finished(j.job_id, j.state, j.result)
+                pending.append(job)
+            with self._lock:
+                self._jobs[job.job_id] = job
+        return pending
 
     def create(self, prompt: list[int], params: GenerationParams, deadline_s: float = 0.0) -> Job:
         job = Job(uuid.uuid4().hex, prompt, params)
         if deadline_s > 0:
             job.deadline = job.created_at + deadline_s
+        self._persist(job)
         with self._lock:
             self._jobs[job.job_id] = job
             self._trim()
@@ -92,6 +126,10 @@ class JobRegistry:
         with self._lock:
             return self._jobs.get(job_id)
 
+    def unfinished(self) -> list[Job]:
+        with self._lock:
+            return [j for j in self._jobs.values() if not j.finished]
+
     def load(self) -> tuple[int, int]:
         """Unfinished jobs, and the prompt tokens of those not yet running."""
         with self._lock:
@@ -100,5 +138,8 @@ class JobRegistry:
 
     def _trim(self) -> None:
         done = [j for j in self._jobs.values() if j.finished]
-        for j in sorted(done, key=lambda j: j.created_at)[: max(0, len(done) - self._keep)]:
+        old = sorted(done, key=lambda j: j.created_at)[: max(0, len(done) - self._keep)]
+        for j in old:
             del self._jobs[j.job_id]
+        if old and self.store is not None:
+            self.store.forget([j.job_id for j in old])

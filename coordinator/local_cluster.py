@@ -68,6 +68,8 @@ def run_local(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             wait_timeout_s=args.wait_timeout,
             kv_reserve_tokens=args.kv_reserve_tokens,
+            # A local cluster's name is new each run: keep jobs only where asked to.
+            state_dir=args.state_dir if str(args.state_dir or "none") != "none" else None,
         )
         server = CoordinatorServer(opts)
         server.start()

@@ -26,6 +26,7 @@ KEYS: dict[str, tuple[type, str]] = {
     "metrics_port": (int, "Prometheus metrics HTTP port"),
     "kv_reserve_tokens": (int, "KV tokens reserved per worker when planning"),
     "wait_timeout": (float, "seconds to wait for workers"),
+    "state_dir": (str, "folder keeping accepted jobs (SQLite)"),
 }
 
 

@@ -24,6 +24,7 @@ from coordinator.discovery import WorkerBrowser, parse_static, wait_for_workers
 from coordinator.engine import Engine, Limits
 from coordinator.engine_loop import EngineLoop
 from coordinator.heartbeat import Heartbeat
+from coordinator.job_store import JobStore
 from coordinator.jobs import JobRegistry
 from coordinator.metrics import Metrics
 from coordinator.remote_pipeline import RemotePipeline
@@ -51,6 +52,7 @@ class ServeOptions:
     wait_timeout_s: float = 600.0
     recovery_timeout_s: float = 600.0  # how long to wait for workers after a loss
     kv_reserve_tokens: int = 32768
+    state_dir: Path | None = None  # where accepted jobs are kept (None: not kept)
 
 
 class _NotReady:
@@ -82,7 +84,10 @@ class CoordinatorServer:
         self.metrics_port = None
         if opts.metrics_port is not None:
             self.metrics_port = self.metrics.serve(opts.metrics_port, opts.host)
-        self.jobs = JobRegistry()
+        store = None
+        if opts.state_dir is not None:
+            store = JobStore(Path(opts.state_dir).expanduser() / f"jobs-{opts.cluster}.sqlite")
+        self.jobs = JobRegistry(store=store)
         self.loop: EngineLoop | None = None
         self.state = "waiting-for-workers"
         self.entries: list[WorkerEntry] = []
@@ -107,10 +112,16 @@ class CoordinatorServer:
             lambda: self.loop,
             self.cluster_status,
             opts.model.name,
+            lambda: self.draining,
         )
         pb_grpc.add_CoordinatorServicer_to_server(servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        # "" and "liveness": the process answers. "readiness": the model is loaded, the
+        # workers are planned, the engine progresses when it has work, and it is not draining.
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("readiness", health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.draining = False
         self.port = self.server.add_insecure_port(f"{opts.host}:{opts.port}")
         if self.port == 0:
             raise WedlmError(f"cannot listen on {opts.host}:{opts.port}")
@@ -136,16 +147,47 @@ class CoordinatorServer:
             self.engine.use_pipeline(RemotePipeline(links), opts.micro_batches or len(links))
             self.loop = EngineLoop(self.engine, self.tokenizer, self.metrics, self.recover)
             self.loop.start()
+            for job in self.jobs.restore():  # accepted before a restart: run them now
+                self.loop.submit(job)
             self.heartbeat = Heartbeat(self._current_pipeline)
             self.heartbeat.start()
             self.state = "serving"
-            self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+            threading.Thread(target=self._watch_readiness, name="readiness", daemon=True).start()
         except (WedlmError, OSError) as e:
             self.failed = str(e)
             self.state = "failed"
             log.error("%s", e)
         finally:
             self.ready.set()
+
+    def ready_now(self, stall_s: float = 30.0) -> bool:
+        loop = self.loop
+        if self.draining or self.state != "serving" or loop is None:
+            return False
+        stalled = self.engine.has_work and time.monotonic() - loop.last_progress > stall_s
+        return not stalled
+
+    def _watch_readiness(self) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        while not self._stopping.wait(0.5):
+            self.health.set("readiness", serving if self.ready_now() else not_serving)
+
+    def drain(self, timeout_s: float) -> int:
+        """Stop taking work (UNAVAILABLE), let accepted jobs finish for up to timeout_s,
+        then cancel the rest, each with a final message. Returns how many were cancelled."""
+        self.draining = True
+        self.health.set("readiness", health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + timeout_s
+        while self.jobs.load()[0] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = self.jobs.unfinished()
+        for job in left:
+            if self.loop is not None:
+                self.loop.cancel(job, reason="shutdown")
+        for job in left:
+            job.wait(5.0)
+        return len(left)
 
     def _current_pipeline(self) -> RemotePipeline | None:
         pipeline = self.engine.pipeline
@@ -161,7 +203,6 @@ class CoordinatorServer:
         """Called by the engine thread after losing a worker: re-plan over the workers that
         answer now, retrying until one plan works (a fixed range needs its worker back)."""
         self.state = "recovering"
-        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         old = self._current_pipeline()
         if old is not None:
             old.close()
@@ -185,7 +226,6 @@ class CoordinatorServer:
             self.entries = entries
             self.state = "serving"
             self.recovery_problem = ""
-            self.health.set("", health_pb2.HealthCheckResponse.SERVING)
             return RemotePipeline(links), self.opts.micro_batches or len(links)
         self.state = "failed"
         return None
@@ -225,3 +265,5 @@ class CoordinatorServer:
         for e in self.entries:
             if e.link is not None:
                 e.link.close()
+        if self.jobs.store is not None:
+            self.jobs.store.close()

@@ -69,6 +69,13 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
     )
     p.add_argument("--kv-reserve-tokens", type=_positive, default=32768)
     p.add_argument("--wait-timeout", type=float, default=600.0, help="seconds to find workers")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="keep accepted jobs and results here (SQLite), so a restart loses none "
+        "(default: the user state folder; 'none' keeps nothing)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--expect", type=_positive, default=1, help="wait for N workers")
     serve.add_argument("--no-bonjour", action="store_true", help="use only --worker")
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds accepted jobs may take to finish",
+    )
     serve.set_defaults(subparser=serve)
     local = sub.add_parser("local", help="start a local cluster and answer one prompt")
     local.add_argument("--workers", type=_positive, default=2)
@@ -113,9 +126,18 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             elif key == "workers":
                 args.worker = args.worker or value
             elif getattr(args, key) == parser.get_default(key) or getattr(args, key) is None:
-                setattr(args, key, value)
+                setattr(args, key, Path(value) if key == "state_dir" else value)
     if not args.model:
         raise WedlmError("--model is required (on the command line or in --config)")
+
+
+def state_dir(flag: Path | None) -> Path | None:
+    if flag is not None:
+        return None if str(flag) == "none" else flag
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "wedlm-cluster"
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "wedlm-cluster"
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -138,6 +160,7 @@ def serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         wait_timeout_s=args.wait_timeout,
         kv_reserve_tokens=args.kv_reserve_tokens,
+        state_dir=state_dir(args.state_dir),
     )
     server = CoordinatorServer(opts)
     server.start()
@@ -157,6 +180,8 @@ def serve(args: argparse.Namespace) -> int:
     layout = ", ".join(f"{e.address} [{e.layers}]" for e in server.entries if e.layers)
     print(f"wedlm-coordinator serving {Path(opts.model).name}: {layout}", flush=True)
     stop.wait()
+    cancelled = server.drain(args.drain_timeout)
+    print(f"wedlm-coordinator drained ({cancelled} unfinished jobs cancelled)", flush=True)
     server.stop()
     return 0
 

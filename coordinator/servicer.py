@@ -61,6 +61,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         loop: Callable[[], EngineLoop | None],
         cluster_status: Callable[[], pb.ClusterStatusReply],
         model_name: str,
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -68,11 +69,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.loop = loop  # None until the workers are planned
         self.cluster_status = cluster_status
         self.model_name = model_name
+        self.draining = draining
         self._admission = threading.Lock()  # checks and creation happen together
 
     # ---- helpers ---------------------------------------------------------------------
     def _accept(self, request: pb.GenerateRequest, context) -> Job:
         loop = self.loop()
+        if self.draining():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
         if loop is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the cluster is not ready (no workers yet)")
         try:

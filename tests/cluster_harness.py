@@ -92,6 +92,8 @@ def start_worker(model: Path, cluster: str, *extra: str) -> tuple[Proc, str]:
 
 
 def start_coordinator(model: Path, cluster: str, *extra: str) -> tuple[Proc, str]:
+    if "--state-dir" not in extra:  # tests keep no jobs unless they say where
+        extra = (*extra, "--state-dir", "none")
     proc = spawn(
         "coordinator.server_cli",
         "serve",

@@ -129,3 +129,42 @@ def test_suspended_worker_is_detected_and_replaced(model, expected):
         assert time.monotonic() - start < 120
     finally:
         stop_all([w for w, _ in workers] + [coord])
+
+
+def test_coordinator_restart_loses_no_accepted_job(model, tmp_path):
+    """Jobs are kept in SQLite: after the coordinator is killed and started again, the
+    finished result is still there and the queued jobs run to the same tokens."""
+    name = cluster_name()
+    worker, _ = start_worker(model, name)
+    state = ["--state-dir", str(tmp_path), "--max-running", "1"]
+    coord, address = start_coordinator(model, name, "--expect", "1", *state)
+    coord.expect("serving")
+    procs = [worker, coord]
+    try:
+        quick = GenerationParams(mode="ar", max_tokens=8)
+        slow = GenerationParams(mode="ar", max_tokens=600)
+        with WedlmClient(address, timeout=60) as client:
+            done_id = client.submit(text="first", params=quick)
+            assert client.wait_job(done_id, timeout_s=60).state == "done"
+            first = list(client.get_job(done_id).result.tokens)
+            running_id = client.submit(text="long one", params=slow)
+            queued_id = client.submit(text="second", params=quick)
+            assert client.get_job(queued_id).state == "queued"
+        os.kill(coord.popen.pid, signal.SIGKILL)
+        coord.popen.wait(10)
+        coord, address = start_coordinator(model, name, "--expect", "1", *state)
+        procs.append(coord)
+        coord.expect("serving")
+        with WedlmClient(address, timeout=120) as client:
+            again = client.get_job(done_id)
+            assert again.state == "done" and list(again.result.tokens) == first
+            for job_id in (queued_id, running_id):
+                assert client.wait_job(job_id, timeout_s=120).state == "done"
+        local = open_local_engine(model)
+        seq = local.engine.submit(local.tokenizer.encode("second"), quick)
+        for _ in local.engine.stream([seq]):
+            pass
+        with WedlmClient(address) as client:
+            assert list(client.get_job(queued_id).result.tokens) == seq.output
+    finally:
+        stop_all(procs)
