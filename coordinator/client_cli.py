@@ -93,10 +93,24 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--model", help="run locally on a model folder, or 'default'")
     where.add_argument("--cluster", metavar="HOST:PORT", help="run on a cluster's coordinator")
     add_generation_flags(gen)
+    add_tls_flags(gen)
     status = sub.add_parser("status", help="show a cluster's workers, ranges and health")
     status.add_argument("--cluster", metavar="HOST:PORT", required=True)
     status.add_argument("--json", action="store_true")
+    add_tls_flags(status)
     return parser
+
+
+def add_tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", help="PEM CA of a coordinator that serves TLS")
+    p.add_argument("--tls-cert", help="PEM client certificate, if the coordinator asks for one")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+
+
+def client_tls(args: argparse.Namespace):
+    from common.tls import load_tls
+
+    return load_tls(args.tls_cert, args.tls_key, args.tls_ca)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -121,7 +135,7 @@ def run_status(args: argparse.Namespace) -> int:
     from coordinator.cluster_client import WedlmClient
     from coordinator.status_view import format_status
 
-    with WedlmClient(args.cluster, timeout=10.0) as client:
+    with WedlmClient(args.cluster, timeout=10.0, tls=client_tls(args)) as client:
         status = client.status_dict()
     print(json.dumps(status) if args.json else format_status(status))
     return 0

@@ -17,6 +17,7 @@ from google.protobuf.json_format import MessageToDict
 from common.errors import WedlmError
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from common.tls import TlsConfig, open_channel
 from coordinator.generation_params import GenerationParams
 from coordinator.request_parsing import request_from_params
 
@@ -46,10 +47,10 @@ def final_dict(final: pb.Final) -> dict[str, Any]:
 
 
 class WedlmClient:
-    def __init__(self, address: str, timeout: float = 600.0) -> None:
+    def __init__(self, address: str, timeout: float = 600.0, tls: TlsConfig | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address)
+        self.channel = open_channel(address, tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     def close(self) -> None:

@@ -14,7 +14,9 @@ def generate_on_cluster(
 ) -> dict[str, Any]:
     ids = list(args.prompt_ids) if args.prompt_ids else None
     final: dict[str, Any] = {}
-    with WedlmClient(args.cluster) as client:
+    from coordinator.client_cli import client_tls
+
+    with WedlmClient(args.cluster, tls=client_tls(args)) as client:
         for event in client.generate_stream(args.prompt, ids, args.chat, params):
             if event[0] == "tokens" and stream is not None and event[2]:
                 stream.write(event[2])

@@ -11,6 +11,7 @@ from common.checkpoint_weights import layer_nbytes
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
+from common.tls import TlsConfig
 from coordinator.discovery import DiscoveredWorker
 from coordinator.layer_plan import PlanError, WorkerCapacity, plan_layers
 from coordinator.worker_link import WorkerCallError, WorkerLink
@@ -42,8 +43,9 @@ def probe(
     secret: str | None,
     cluster: str,
     timeout_s: float = 5.0,
+    tls: TlsConfig | None = None,
 ):
-    link = WorkerLink(cand.address, secret, config.identity)
+    link = WorkerLink(cand.address, secret, config.identity, tls=tls)
     entry = WorkerEntry(cand.address, cand.source, "rejected", link=link)
     try:
         info = link.info(timeout=timeout_s)
@@ -74,10 +76,11 @@ def assemble(
     cluster: str,
     kv_reserve_tokens: int,
     probe_timeout_s: float = 5.0,
+    tls: TlsConfig | None = None,
 ) -> list[WorkerEntry]:
     """Probe, plan and assign. Returns every candidate's entry; the serving ones, in layer
     order, form the pipeline. Raises PlanError when no valid plan exists."""
-    entries = [probe(c, config, secret, cluster, probe_timeout_s) for c in candidates]
+    entries = [probe(c, config, secret, cluster, probe_timeout_s, tls) for c in candidates]
     usable = [e for e in entries if e.health == "serving"]
     if not usable:
         details = "; ".join(f"{e.address}: {e.detail}" for e in entries) or "none found"

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from common.errors import WedlmError
+from common.tls import load_tls
 from coordinator.client_cli import params_from_args
 from coordinator.cluster_client import WedlmClient
 from coordinator.local_engine import resolve_model
@@ -23,9 +24,11 @@ from coordinator.server import CoordinatorServer, ServeOptions
 START_TIMEOUT_S = 600.0
 
 
-def start_worker(model: Path, cluster: str, secret: str, log: Path) -> subprocess.Popen:
+def start_worker(
+    model: Path, cluster: str, secret: str, log: Path, tls_flags: list[str]
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "shard_worker.cli", "--model", str(model)]
-    cmd += ["--host", "127.0.0.1", "--port", "0", "--cluster", cluster]
+    cmd += ["--host", "127.0.0.1", "--port", "0", "--cluster", cluster, *tls_flags]
     env = {**os.environ, "WEDLM_SECRET": secret}  # not on the command line, where ps shows it
     with open(log, "w") as err:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
@@ -47,8 +50,19 @@ def run_local(args: argparse.Namespace) -> int:
     cluster = f"local-{secrets.token_hex(4)}"  # never join or take workers of another cluster
     secret = args.secret or secrets.token_hex(16)
     logs = Path(tempfile.mkdtemp(prefix="wedlm-local-"))
+    tls = load_tls(args.tls_cert, args.tls_key, args.tls_ca)  # checked before starting
+    tls_flags = [
+        f"--{flag}={value}"
+        for flag, value in (
+            ("tls-cert", args.tls_cert),
+            ("tls-key", args.tls_key),
+            ("tls-ca", args.tls_ca),
+        )
+        if value
+    ]
     procs = [
-        start_worker(model, cluster, secret, logs / f"worker-{i}.log") for i in range(args.workers)
+        start_worker(model, cluster, secret, logs / f"worker-{i}.log", tls_flags)
+        for i in range(args.workers)
     ]
     server = None
     try:
@@ -70,6 +84,7 @@ def run_local(args: argparse.Namespace) -> int:
             kv_reserve_tokens=args.kv_reserve_tokens,
             # A local cluster's name is new each run: keep jobs only where asked to.
             state_dir=args.state_dir if str(args.state_dir or "none") != "none" else None,
+            tls=tls,
         )
         server = CoordinatorServer(opts)
         server.start()
@@ -100,7 +115,8 @@ def run_local(args: argparse.Namespace) -> int:
 def _answer(address: str, args: argparse.Namespace) -> None:
     params = params_from_args(args)
     ids = list(args.prompt_ids) if args.prompt_ids else None
-    with WedlmClient(address) as client:
+    tls = load_tls(args.tls_cert, args.tls_key, args.tls_ca)
+    with WedlmClient(address, tls=tls) as client:
         final = {}
         for event in client.generate_stream(args.prompt, ids, args.chat, params):
             if event[0] == "tokens" and not args.json and event[2]:

@@ -18,6 +18,7 @@ from common.errors import WedlmError
 from common.model_parts import load_model_parts
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from common.tls import TlsConfig, bind
 from common.tokenizer import Tokenizer
 from coordinator.cluster_setup import WorkerEntry, assemble, pipeline_links
 from coordinator.discovery import WorkerBrowser, parse_static, wait_for_workers
@@ -53,6 +54,7 @@ class ServeOptions:
     recovery_timeout_s: float = 600.0  # how long to wait for workers after a loss
     kv_reserve_tokens: int = 32768
     state_dir: Path | None = None  # where accepted jobs are kept (None: not kept)
+    tls: TlsConfig = field(default_factory=TlsConfig)  # serves clients, dials workers
 
 
 class _NotReady:
@@ -122,7 +124,7 @@ class CoordinatorServer:
         self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
         self.health.set("readiness", health_pb2.HealthCheckResponse.NOT_SERVING)
         self.draining = False
-        self.port = self.server.add_insecure_port(f"{opts.host}:{opts.port}")
+        self.port = bind(self.server, f"{opts.host}:{opts.port}", opts.tls)
         if self.port == 0:
             raise WedlmError(f"cannot listen on {opts.host}:{opts.port}")
 
@@ -141,7 +143,12 @@ class CoordinatorServer:
             found = wait_for_workers(self.browser, static, opts.expect, opts.wait_timeout_s)
             self.state = "planning"
             self.entries = assemble(
-                found, self.config, opts.secret, opts.cluster, opts.kv_reserve_tokens
+                found,
+                self.config,
+                opts.secret,
+                opts.cluster,
+                opts.kv_reserve_tokens,
+                tls=opts.tls,
             )
             links = pipeline_links(self.entries)
             self.engine.use_pipeline(RemotePipeline(links), opts.micro_batches or len(links))

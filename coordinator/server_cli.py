@@ -70,6 +70,13 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--kv-reserve-tokens", type=_positive, default=32768)
     p.add_argument("--wait-timeout", type=float, default=600.0, help="seconds to find workers")
     p.add_argument(
+        "--tls-cert",
+        help="PEM certificate: serve clients over TLS, and present "
+        "it to workers that require client certificates",
+    )
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", help="PEM CA that workers' certificates must chain to")
+    p.add_argument(
         "--state-dir",
         type=Path,
         default=None,
@@ -141,6 +148,7 @@ def state_dir(flag: Path | None) -> Path | None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from common.tls import load_tls
     from coordinator.local_engine import resolve_model
     from coordinator.server import CoordinatorServer, ServeOptions
 
@@ -161,6 +169,7 @@ def serve(args: argparse.Namespace) -> int:
         wait_timeout_s=args.wait_timeout,
         kv_reserve_tokens=args.kv_reserve_tokens,
         state_dir=state_dir(args.state_dir),
+        tls=load_tls(args.tls_cert, args.tls_key, args.tls_ca),
     )
     server = CoordinatorServer(opts)
     server.start()

@@ -15,6 +15,7 @@ import grpc
 from common.call_auth import call_metadata
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from common.tls import TlsConfig, open_channel
 
 MESSAGE_LIMIT = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -61,12 +62,13 @@ class WorkerLink:
         secret: str | None,
         model_identity: str,
         deadline_s: float = 30.0,
+        tls: TlsConfig | None = None,
     ) -> None:
         self.address = address
         self.secret = secret
         self.model_identity = model_identity
         self.deadline_s = deadline_s
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = open_channel(address, tls, CHANNEL_OPTIONS)
         self.stub = pb_grpc.WorkerStub(self.channel)
         self.stats = HopStats()
         self._outbox: queue.Queue | None = None

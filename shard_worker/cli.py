@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-id", type=_node_id, help="name of this worker (default host-port)")
     p.add_argument("--no-bonjour", action="store_true", help="do not advertise over mDNS")
     p.add_argument("--advertise-host", type=_ip, help="address to advertise to peers")
+    p.add_argument("--tls-cert", help="PEM certificate: serve over TLS")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", help="PEM CA: accept only coordinators with a certificate it signed")
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING"])
     return p
 
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from common.default_model import default_model_path
     from common.errors import WedlmError
     from common.model_config import load_model_config
+    from common.tls import load_tls
     from shard_worker.bonjour import is_loopback
     from shard_worker.server import WorkerOptions, WorkerServer
 
@@ -116,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             node_id=args.node_id,
             bonjour=not args.no_bonjour,
             advertise_host=args.advertise_host,
+            tls=load_tls(args.tls_cert, args.tls_key, args.tls_ca),
         )
         worker = WorkerServer(options)
     except (WedlmError, OSError, RuntimeError) as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,6 +17,7 @@ from common.errors import WedlmError
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from common.tls import TlsConfig, bind
 from shard_worker.bonjour import BonjourAdvert
 from shard_worker.held_layers import HeldLayers
 from shard_worker.mlx_thread import MLXThread
@@ -61,6 +62,7 @@ class WorkerOptions:
     node_id: str | None = None
     bonjour: bool = True
     advertise_host: str | None = None
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
 
 class WorkerServer:
@@ -81,7 +83,7 @@ class WorkerServer:
         _check_port_free(options.host, options.port)
         host = f"[{options.host}]" if ":" in options.host else options.host
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{options.port}")
+            self.port = bind(self.server, f"{host}:{options.port}", options.tls)
         except RuntimeError:
             self.port = 0
         if not self.port:

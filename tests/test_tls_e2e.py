@@ -1,0 +1,154 @@
+"""TLS with provided certificates: workers serve TLS and accept only coordinators whose
+client certificate the cluster CA signed; the coordinator serves its clients over TLS."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from common.tls import load_tls
+from coordinator.cluster_client import ClusterError, WedlmClient
+from coordinator.generation_params import GenerationParams
+from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+
+
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA and two certificates for 127.0.0.1 (server side and client side)."""
+    d = tmp_path_factory.mktemp("pki")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=wedlm test CA",
+        "-keyout",
+        str(d / "ca.key"),
+        "-out",
+        str(d / "ca.pem"),
+    )
+    for name in ("node", "other"):
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            str(d / f"{name}.key"),
+            "-out",
+            str(d / f"{name}.csr"),
+        )
+        (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        ca = "ca" if name == "node" else name  # "other" is self-signed: not from our CA
+        if name == "other":
+            openssl(
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=other",
+                "-keyout",
+                str(d / "other.key"),
+                "-out",
+                str(d / "other.pem"),
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+            )
+            continue
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            str(d / f"{name}.csr"),
+            "-CA",
+            str(d / f"{ca}.pem"),
+            "-CAkey",
+            str(d / f"{ca}.key"),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            str(d / "san.ext"),
+            "-out",
+            str(d / f"{name}.pem"),
+        )
+    return d
+
+
+def test_tls_cluster_end_to_end(checkpoint_dir, pki):
+    model = checkpoint_dir("qwen3", seed=71, num_hidden_layers=2)
+    name = cluster_name()
+    tls = [
+        "--tls-cert",
+        str(pki / "node.pem"),
+        "--tls-key",
+        str(pki / "node.key"),
+        "--tls-ca",
+        str(pki / "ca.pem"),
+    ]
+    worker, waddr = start_worker(model, name, "--no-bonjour", *tls)
+    coord, address = start_coordinator(model, name, "--no-bonjour", "--worker", waddr, *tls)
+    procs = [worker, coord]
+    try:
+        coord.expect("serving")
+        client_tls = load_tls(pki / "node.pem", pki / "node.key", pki / "ca.pem")
+        with WedlmClient(address, timeout=60, tls=client_tls) as client:
+            out = client.generate(text="secure", params=GenerationParams(mode="ar", max_tokens=6))
+        assert len(out["tokens"]) >= 1
+        with WedlmClient(address, timeout=10) as plain, pytest.raises(ClusterError):
+            plain.model_info()  # plaintext to a TLS port fails
+        # A coordinator whose client certificate the CA did not sign is refused by the worker.
+        bad = [
+            "--tls-cert",
+            str(pki / "other.pem"),
+            "--tls-key",
+            str(pki / "other.key"),
+            "--tls-ca",
+            str(pki / "ca.pem"),
+        ]
+        intruder, _ = start_coordinator(
+            model, name, "--no-bonjour", "--worker", waddr, "--wait-timeout", "20", *bad
+        )
+        procs.append(intruder)
+        code, output = intruder.wait_exit(90)
+        assert code == 1 and "no usable worker" in output
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_bad_tls_files_are_refused(tmp_path):
+    (tmp_path / "x.pem").write_text("not a certificate")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shard_worker.cli",
+            "--model",
+            str(tmp_path),
+            "--tls-cert",
+            str(tmp_path / "x.pem"),
+            "--tls-key",
+            str(tmp_path / "x.pem"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
