@@ -28,6 +28,7 @@ class Limits:
     max_queued_tokens: int = 1 << 20
     prefill_chunk: int = 512  # prompt tokens of one sequence per forward
     prefill_budget: int = 1024  # padded prompt rows per prefill micro-batch
+    kv_tokens: int | None = None  # KV tokens the workers' free memory holds (None: unknown)
 
 
 @dataclass
@@ -52,7 +53,23 @@ class Scheduler:
         self.groups = [[] for _ in range(self.groups_count)]
 
     # ---- requests ------------------------------------------------------------------
+    @staticmethod
+    def kv_need(seq: Sequence) -> int:
+        """Worst-case KV rows of a sequence: its prompt, every token it may commit, and the
+        rows a WeDLM window writes past the committed length."""
+        window = 2 * seq.params.window if seq.params.mode == "wedlm" else 1
+        return len(seq.prompt) + seq.params.max_tokens + window
+
+    def kv_in_use(self) -> int:
+        return sum(self.kv_need(s) for s in self.running if not s.finished)
+
     def add(self, seq: Sequence) -> None:
+        budget = self.limits.kv_tokens
+        if budget is not None and self.kv_need(seq) > budget:
+            raise QueueFull(
+                f"the request may need {self.kv_need(seq)} KV rows; the workers' free memory "
+                f"holds {budget} (lower max_tokens or add workers)"
+            )
         queued_tokens = sum(len(s.prompt) for s in self.waiting)
         free = max(self.limits.max_running - len(self.running), 0)  # admitted at the next tick
         if len(self.waiting) >= self.limits.max_queued + free:
@@ -65,10 +82,19 @@ class Scheduler:
         self.waiting.append(seq)
 
     def admit(self) -> None:
+        """Start waiting sequences while slots and KV memory allow; the rest keep waiting
+        (admission by measured free memory: overload queues instead of crashing)."""
+        budget = self.limits.kv_tokens
+        in_use = self.kv_in_use() if budget is not None else 0
         while self.waiting and len(self.running) < self.limits.max_running:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
             if seq.finished:  # cancelled while queued
+                self.waiting.popleft()
                 continue
+            if budget is not None and in_use + self.kv_need(seq) > budget and self.running:
+                return
+            self.waiting.popleft()
+            in_use += self.kv_need(seq)
             seq.phase = Phase.PREFILL
             self.running.append(seq)
 

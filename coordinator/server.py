@@ -152,6 +152,7 @@ class CoordinatorServer:
             )
             links = pipeline_links(self.entries)
             self.engine.use_pipeline(RemotePipeline(links), opts.micro_batches or len(links))
+            self._set_kv_budget()
             self.loop = EngineLoop(self.engine, self.tokenizer, self.metrics, self.recover)
             self.loop.start()
             for job in self.jobs.restore():  # accepted before a restart: run them now
@@ -166,6 +167,17 @@ class CoordinatorServer:
             log.error("%s", e)
         finally:
             self.ready.set()
+
+    def _set_kv_budget(self, headroom: float = 0.8) -> None:
+        """KV tokens the tightest worker's measured free memory holds (after its layers),
+        keeping 20% for activations and the allocator."""
+        budgets = [
+            int(e.info.memory_available * headroom) // e.info.kv_bytes_per_token
+            for e in self.entries
+            if e.health == "serving" and e.info is not None and e.info.kv_bytes_per_token
+        ]
+        self.engine.scheduler.limits.kv_tokens = min(budgets) if budgets else None
+        log.info("KV admission budget: %s tokens", self.engine.scheduler.limits.kv_tokens)
 
     def ready_now(self, stall_s: float = 30.0) -> bool:
         loop = self.loop
@@ -231,6 +243,7 @@ class CoordinatorServer:
                 self._stopping.wait(1.0)
                 continue
             self.entries = entries
+            self._set_kv_budget()
             self.state = "serving"
             self.recovery_problem = ""
             return RemotePipeline(links), self.opts.micro_batches or len(links)

@@ -87,6 +87,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise InvalidRequest(f"deadline_s must be >= 0, got {request.deadline_s}")
         except (InvalidRequest, CheckpointError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        budget = self.engine.scheduler.limits.kv_tokens
+        window = 2 * params.window if params.mode == "wedlm" else 1
+        need = len(prompt) + params.max_tokens + window
+        if budget is not None and need > budget:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the request may need {need} KV rows; the workers' free memory holds "
+                f"{budget} (lower max_tokens or add workers)",
+            )
         with self._admission:
             self._check_room(len(prompt), context)
             job = self.jobs.create(prompt, params, request.deadline_s)

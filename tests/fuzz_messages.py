@@ -110,7 +110,7 @@ def mutated(draw: st.DrawFn, valid: Message) -> Message:
     msg.CopyFrom(valid)
     target = msg
     while True:
-        field = draw(st.sampled_from(target.DESCRIPTOR.fields))
+        field = draw(st.sampled_from(list(target.DESCRIPTOR.fields)))
         nested = field.type == F.TYPE_MESSAGE and not _is_repeated(field)
         if nested and target.HasField(field.name) and draw(st.booleans()):
             target = getattr(target, field.name)  # mutate inside the submessage
@@ -279,9 +279,11 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     msg = pb.GenerateRequest()
     which = draw(st.sampled_from(["text", "ids", "none"]))
     if which == "text":
-        msg.text = draw(_mostly(st.text(min_size=1, max_size=40), st.text(max_size=300)))
+        long = st.integers(0, 1000).map(lambda n: "word " * n)  # past the context of 512
+        msg.text = draw(_mostly(st.text(min_size=1, max_size=40), st.one_of(TEXT, long)))
     elif which == "ids":
-        ids = _mostly(st.lists(st.integers(0, 319), max_size=20), st.lists(I32, max_size=600))
+        long = st.integers(400, 600).map(lambda n: [7] * n)
+        ids = _mostly(st.lists(st.integers(0, 319), max_size=20), st.one_of(st.lists(I32), long))
         msg.token_ids.ids.extend(draw(ids))
     msg.chat = draw(st.booleans())
     msg.mode = draw(_mostly(st.sampled_from(["", "wedlm", "ar"]), TEXT))

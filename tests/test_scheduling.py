@@ -137,3 +137,20 @@ def test_autoregressive_look_ahead_keeps_tokens_and_samples(model):
     no_ahead = open_local_engine(model, num_rows=2)
     no_ahead.engine._launch_ahead = lambda flight, tokens: False
     assert batched == alone == run_all(no_ahead, reqs)
+
+
+def test_admission_by_kv_memory(model):
+    """With a KV budget (from the workers' measured free memory), sequences wait until
+    their worst-case KV fits, and one that can never fit is refused at once."""
+    local = open_local_engine(model, num_rows=4)
+    engine = local.engine
+    engine.scheduler.limits.kv_tokens = 100
+    ids = local.tokenizer.encode("hi")
+    with pytest.raises(QueueFull, match="may need"):
+        engine.submit(ids, GenerationParams(mode="ar", max_tokens=200))
+    seqs = [engine.submit(ids, GenerationParams(mode="ar", max_tokens=40)) for _ in range(3)]
+    engine.step()
+    assert len(engine.running) == 2 and len(engine.waiting) == 1  # 2 x (2 + 40 + 1) <= 100
+    for _ in engine.stream(seqs):
+        assert engine.scheduler.kv_in_use() <= 100
+    assert all(s.finish_reason in ("length", "stop") for s in seqs)
