@@ -1,0 +1,345 @@
+"""Soak test: a real cluster (W workers found over Bonjour + a coordinator) under a closed
+loop of C concurrent mixed WeDLM/AR requests for --minutes, with one worker killed (-9,
+round robin) every --kill-every s and a new one started --restart-after s later. Records
+failures, recovery times, RSS per process every 5 s and throughput. Prints one JSON object
+(without the raw samples) and writes soak.json, soak.png and the process logs to --out.
+
+  python benchmarks/soak.py --tiny --minutes 4 --kill-every 60 --concurrency 8
+  WEDLM_CACHE_DIR=/tmp/wedlm-cache python benchmarks/soak.py --model default
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from coordinator.cluster_client import ClusterError, WedlmClient
+from coordinator.generation_params import GenerationParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ is not installed
+from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker
+
+SAMPLE_S = 5.0
+POLL_S = 0.2
+WORDS = ("robot", "count", "fox", "dog", "shells", "sea", "window", "decode", "mask", "sum")
+now = time.monotonic
+
+
+def params_for(i: int, max_tokens: int) -> GenerationParams:
+    """Even jobs WeDLM, odd AR; lengths in [max/2, max]; every third one sampled."""
+    n = max_tokens // 2 + (i * 7919) % (max_tokens - max_tokens // 2 + 1)
+    sampled = i % 3 == 0
+    return GenerationParams(
+        mode="ar" if i % 2 else "wedlm",
+        max_tokens=max(1, n),
+        temperature=0.8 if sampled else 0.0,
+        top_p=0.95 if sampled else 1.0,
+        seed=i % 2**32,
+    )
+
+
+def prompt_for(i: int) -> str:
+    return " ".join(WORDS[(i * k) % len(WORDS)] for k in range(1, 4 + i % 9)) + f" {i}"
+
+
+def fit_mb_per_h(ts: list[float], mb: list[float]) -> float | None:
+    if len(ts) < 3 or ts[-1] - ts[0] < 2 * SAMPLE_S:
+        return None
+    return float(np.polyfit(np.array(ts) / 3600.0, np.array(mb), 1)[0])
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace, model: Path) -> None:
+        self.args, self.model, self.cluster = args, model, cluster_name()
+        self.lock = threading.Lock()
+        self.completed = self.tokens = 0
+        self.failures: Counter[str] = Counter()
+        self.failure_log: list[tuple[float, str]] = []
+        self.samples: list[dict] = []
+        self.faults: list[dict] = []
+        self.procs: dict[str, Proc] = {}  # every process ever started, by name
+        self.slots: list[str] = []  # the worker name now in each slot
+        self.stop = threading.Event()
+
+    def t(self) -> float:
+        return now() - self.t0
+
+    # ---- the cluster ----
+    def start(self) -> None:
+        for k in range(self.args.workers):
+            self.procs[f"w{k}"] = start_worker(self.model, self.cluster)[0]
+            self.slots.append(f"w{k}")
+        extra = ("--expect", str(self.args.workers), "--max-running", "16", "--metrics-port", "0")
+        coord, self.address = start_coordinator(self.model, self.cluster, *extra)
+        self.procs["coordinator"] = coord
+        self.metrics_url = coord.expect(r"metrics on (http://\S+)").group(1)
+        coord.expect("wedlm-coordinator serving")
+
+    def rss_mb(self) -> dict[str, float]:
+        out = {}
+        for name, proc in list(self.procs.items()):
+            if proc.popen.poll() is None:
+                with contextlib.suppress(psutil.Error):  # it may just have died
+                    out[name] = psutil.Process(proc.popen.pid).memory_info().rss / 2**20
+        return out
+
+    # ---- load, sampling, faults ----
+    def client_loop(self, k: int) -> None:
+        i = k
+        with WedlmClient(self.address, timeout=900) as client:
+            while now() < self.deadline:
+                reason, out = None, None
+                try:
+                    out = client.generate(
+                        text=prompt_for(i), params=params_for(i, self.args.max_tokens)
+                    )
+                    if out.get("error") or out["finish_reason"] not in ("length", "stop"):
+                        reason = f"final {out['finish_reason']}: {out.get('error', '')}"[:160]
+                except ClusterError as e:
+                    reason = str(e)[:160]
+                with self.lock:
+                    if reason:
+                        self.failures[reason] += 1
+                        self.failure_log.append((round(self.t(), 1), reason))
+                    else:
+                        self.completed += 1
+                        self.tokens += len(out["tokens"])
+                i += self.args.concurrency
+
+    def sampler(self) -> None:
+        while True:
+            rss = self.rss_mb()
+            with self.lock:
+                row = {"t": round(self.t(), 1), "completed": self.completed, "tokens": self.tokens}
+                row |= {"failures": sum(self.failures.values()), "rss_mb": rss}
+            self.samples.append(row)
+            if self.stop.wait(SAMPLE_S):
+                return
+
+    def measure_recovery(self, rec: dict, t_kill: float) -> None:
+        """Recovered = ClusterStatus says "serving" and a fresh small request completed."""
+        states: list[tuple[float, str]] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            with WedlmClient(self.address) as c:
+                while not done.is_set():
+                    try:
+                        s = c.cluster_status().state
+                    except ClusterError as e:
+                        s = f"error {e.code.name}"
+                    if not states or states[-1][1] != s:
+                        states.append((round(now() - t_kill, 2), s))
+                    done.wait(POLL_S)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        limit, probe = t_kill + self.args.kill_every, GenerationParams(mode="ar", max_tokens=4)
+        serving = lambda: bool(states) and states[-1][1] == "serving"  # noqa: E731
+        with WedlmClient(self.address, timeout=self.args.kill_every) as c:
+            while now() < limit:
+                if serving():
+                    try:
+                        out = c.generate(text="probe", params=probe)
+                        if serving() and out["finish_reason"] in ("length", "stop"):
+                            rec["recovery_s"] = round(now() - t_kill, 2)
+                            break
+                    except ClusterError as e:
+                        with self.lock:
+                            self.failures[f"probe {e}"[:160]] += 1
+                time.sleep(POLL_S)
+        done.set()
+        watcher.join(5)
+        rec.setdefault("recovery_s", None)  # None: not recovered within --kill-every
+        rec["states"] = states
+
+    def fault_loop(self) -> None:
+        a, n = self.args, 0
+        while True:
+            t_next = self.t0 + a.kill_every * (n + 1)
+            if t_next > self.deadline - a.restart_after - 10:
+                return
+            time.sleep(max(0.0, t_next - now()))
+            slot = n % a.workers
+            victim = self.slots[slot]
+            t_kill = now()
+            os.kill(self.procs[victim].popen.pid, signal.SIGKILL)
+            rec = {"t_s": round(t_kill - self.t0, 1), "worker": victim}
+            self.faults.append(rec)
+            watcher = threading.Thread(target=self.measure_recovery, args=(rec, t_kill))
+            watcher.start()
+            self.procs[victim].popen.wait(10)
+            time.sleep(max(0.0, t_kill + a.restart_after - now()))
+            name = f"w{slot}.{n // a.workers + 1}"
+            self.procs[name] = start_worker(self.model, self.cluster)[0]
+            self.slots[slot] = name
+            rec |= {"restarted": name, "restart_listening_s": round(now() - t_kill, 2)}
+            watcher.join()
+            n += 1
+
+    def run(self) -> dict:
+        self.t0 = now()
+        self.deadline = self.t0 + self.args.minutes * 60
+        sampler = threading.Thread(target=self.sampler, daemon=True)
+        sampler.start()
+        clients = [
+            threading.Thread(target=self.client_loop, args=(k,), daemon=True)
+            for k in range(self.args.concurrency)
+        ]
+        for c in clients:
+            c.start()
+        self.fault_loop()
+        for c in clients:
+            c.join()
+        elapsed = self.t()
+        self.stop.set()
+        sampler.join()
+        return {"elapsed_s": round(elapsed, 1)}
+
+    def server_finished(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        prefix = "wedlm:request_success_total{"
+        return {
+            line.split('"')[1]: float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith(prefix)
+        }
+
+
+def memory_report(samples: list[dict], long_s: float) -> dict[str, dict]:
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for row in samples:
+        for name, mb in row["rss_mb"].items():
+            series.setdefault(name, ([], []))
+            series[name][0].append(row["t"])
+            series[name][1].append(mb)
+    out = {}
+    for name, (ts, mb) in series.items():
+        half = len(ts) // 2
+        lived = ts[-1] - ts[0]
+        out[name] = {
+            "from_s": ts[0],
+            "lived_s": lived,
+            "first_mb": round(mb[0], 1),
+            "last_mb": round(mb[-1], 1),
+            "max_mb": round(max(mb), 1),
+            "slope_mb_per_h": fit_mb_per_h(ts, mb),
+            "slope_2nd_half_mb_per_h": fit_mb_per_h(ts[half:], mb[half:]),
+            "long_lived": name == "coordinator" or lived >= long_s,
+        }
+    return out
+
+
+def plot(result: dict, samples: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
+    for name in result["memory"]:
+        pts = [(r["t"] / 60, r["rss_mb"][name]) for r in samples if name in r["rss_mb"]]
+        style = {"lw": 2.5, "color": "black"} if name == "coordinator" else {"lw": 1.2}
+        a.plot(*zip(*pts, strict=True), label=name, **style)
+    for ax in (a, b):
+        for f in result["faults"]:
+            ax.axvline(f["t_s"] / 60, color="red", ls=":", alpha=0.7)
+    a.set(ylabel="RSS (MB)", title="RSS per process (red: kill -9 of a worker)")
+    a.legend(fontsize=7, ncol=4)
+    ts = [r["t"] / 60 for r in samples]
+    b.plot(ts, [r["completed"] for r in samples], label="completed jobs")
+    b.plot(ts, [r["failures"] for r in samples], label="failed jobs", color="red")
+    b.set(xlabel="minutes", ylabel="jobs (cumulative)")
+    b.legend()
+    fig.suptitle(result["title"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="PATH or default")
+    ap.add_argument("--tiny", action="store_true", help="a tiny random 6-layer qwen3 instead")
+    ap.add_argument("--minutes", type=float, default=20.0)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--kill-every", type=float, default=180.0, help="seconds")
+    ap.add_argument("--restart-after", type=float, default=5.0, help="seconds")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        from tests.checkpoints import make_checkpoint
+
+        model = Path(tempfile.mkdtemp(prefix="soak-tiny-"))
+        make_checkpoint(model, "qwen3", seed=0, num_hidden_layers=6, max_position_embeddings=2048)
+        model_name = "tiny random qwen3 (6 layers, hidden 64, fp32)"
+    else:
+        from coordinator.local_engine import resolve_model
+
+        model, model_name = Path(resolve_model(args.model)), args.model
+    soak = Soak(args, model)
+    try:
+        soak.start()
+        result = soak.run()
+        result["server_finished"] = soak.server_finished()
+    finally:
+        for name, proc in soak.procs.items():
+            proc.stop()
+            (args.out / f"soak-{name}.log").write_text("".join(proc.log))
+    rec = [f["recovery_s"] for f in soak.faults if f["recovery_s"] is not None]
+    long_s = 0.9 * min((args.workers - 1) * args.kill_every, args.minutes * 60)
+    memory = memory_report(soak.samples, long_s)
+    slopes = [m["slope_mb_per_h"] for n, m in memory.items() if n != "coordinator"]
+    long_slopes = [
+        m["slope_mb_per_h"]
+        for n, m in memory.items()
+        if n != "coordinator" and m["long_lived"] and m["slope_mb_per_h"] is not None
+    ]
+    result = {
+        "title": f"soak: {model_name}, {args.workers} workers, concurrency {args.concurrency}, "
+        f"kill every {args.kill_every:g} s, {args.minutes:g} min",
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        **result,
+        "completed": soak.completed,
+        "failed": sum(soak.failures.values()),
+        "failures": dict(soak.failures),
+        "failure_log": soak.failure_log[:50],
+        "completion_tokens": soak.tokens,
+        "tokens_per_s": round(soak.tokens / result["elapsed_s"], 2),
+        "faults": soak.faults,
+        "recovery_s": rec,
+        "recovery_median_s": statistics.median(rec) if rec else None,
+        "recovery_max_s": max(rec) if rec else None,
+        "not_recovered": sum(f["recovery_s"] is None for f in soak.faults),
+        "memory": memory,
+        "coordinator_slope_mb_per_h": memory["coordinator"]["slope_mb_per_h"],
+        "worker_slope_max_long_lived_mb_per_h": max(long_slopes, default=None),
+        "worker_slope_max_any_mb_per_h": max((s for s in slopes if s is not None), default=None),
+    }
+    (args.out / "soak.json").write_text(json.dumps({**result, "samples": soak.samples}, indent=1))
+    try:
+        plot(result, soak.samples, args.out / "soak.png")
+    except ImportError:
+        result["plot"] = "matplotlib missing"
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
