@@ -33,23 +33,17 @@ from coordinator.generation_params import GenerationParams
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ is not installed
 from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker
 
-SAMPLE_S = 5.0
-POLL_S = 0.2
+SAMPLE_S, POLL_S = 5.0, 0.2
 WORDS = ("robot", "count", "fox", "dog", "shells", "sea", "window", "decode", "mask", "sum")
+OK = ("length", "stop")
 now = time.monotonic
 
 
 def params_for(i: int, max_tokens: int) -> GenerationParams:
     """Even jobs WeDLM, odd AR; lengths in [max/2, max]; every third one sampled."""
-    n = max_tokens // 2 + (i * 7919) % (max_tokens - max_tokens // 2 + 1)
-    sampled = i % 3 == 0
-    return GenerationParams(
-        mode="ar" if i % 2 else "wedlm",
-        max_tokens=max(1, n),
-        temperature=0.8 if sampled else 0.0,
-        top_p=0.95 if sampled else 1.0,
-        seed=i % 2**32,
-    )
+    n, hot = max_tokens // 2 + (i * 7919) % (max_tokens - max_tokens // 2 + 1), i % 3 == 0
+    mode, temp, top_p = ("ar" if i % 2 else "wedlm"), (0.8 if hot else 0.0), (0.95 if hot else 1)
+    return GenerationParams(mode=mode, max_tokens=max(1, n), temperature=temp, top_p=top_p, seed=i)
 
 
 def prompt_for(i: int) -> str:
@@ -59,29 +53,28 @@ def prompt_for(i: int) -> str:
 def fit_mb_per_h(ts: list[float], mb: list[float]) -> float | None:
     if len(ts) < 3 or ts[-1] - ts[0] < 2 * SAMPLE_S:
         return None
-    return float(np.polyfit(np.array(ts) / 3600.0, np.array(mb), 1)[0])
+    return round(float(np.polyfit(np.array(ts) / 3600.0, np.array(mb), 1)[0]), 2)
 
 
 class Soak:
     def __init__(self, args: argparse.Namespace, model: Path) -> None:
         self.args, self.model, self.cluster = args, model, cluster_name()
-        self.lock = threading.Lock()
-        self.completed = self.tokens = 0
+        self.lock, self.stop = threading.Lock(), threading.Event()
+        self.completed = self.tokens = self.failed = 0
         self.failures: Counter[str] = Counter()
         self.failure_log: list[tuple[float, str]] = []
         self.samples: list[dict] = []
         self.faults: list[dict] = []
         self.procs: dict[str, Proc] = {}  # every process ever started, by name
+        self.addr: dict[str, str] = {}  # worker name -> address
         self.slots: list[str] = []  # the worker name now in each slot
-        self.stop = threading.Event()
 
-    def t(self) -> float:
-        return now() - self.t0
+    def add_worker(self, name: str) -> None:
+        self.procs[name], self.addr[name] = start_worker(self.model, self.cluster)
 
-    # ---- the cluster ----
     def start(self) -> None:
         for k in range(self.args.workers):
-            self.procs[f"w{k}"] = start_worker(self.model, self.cluster)[0]
+            self.add_worker(f"w{k}")
             self.slots.append(f"w{k}")
         extra = ("--expect", str(self.args.workers), "--max-running", "16", "--metrics-port", "0")
         coord, self.address = start_coordinator(self.model, self.cluster, *extra)
@@ -89,50 +82,57 @@ class Soak:
         self.metrics_url = coord.expect(r"metrics on (http://\S+)").group(1)
         coord.expect("wedlm-coordinator serving")
 
-    def rss_mb(self) -> dict[str, float]:
-        out = {}
+    def sample(self) -> dict:
+        """RSS (MB) of every live process; `layers`: workers the coordinator gave layers to."""
+        rss = {}
         for name, proc in list(self.procs.items()):
-            if proc.popen.poll() is None:
-                with contextlib.suppress(psutil.Error):  # it may just have died
-                    out[name] = psutil.Process(proc.popen.pid).memory_info().rss / 2**20
-        return out
+            if proc.popen.returncode is None:  # not reaped yet: skip it if it is a zombie
+                with contextlib.suppress(psutil.Error):
+                    p = psutil.Process(proc.popen.pid)
+                    if p.status() != psutil.STATUS_ZOMBIE:
+                        rss[name] = round(p.memory_info().rss / 2**20, 1)
+        lines = self.procs["coordinator"].log
+        given = {ln.rsplit(" to ", 1)[1].strip() for ln in lines if "assigning layers" in ln}
+        layers = [n for n, a in self.addr.items() if a in given]
+        t = round(now() - self.t0, 1)
+        with self.lock:
+            row = dict(t=t, completed=self.completed, failures=self.failed, tokens=self.tokens)
+        return row | {"rss_mb": rss, "layers": layers}
 
-    # ---- load, sampling, faults ----
+    def fail(self, reason: str) -> None:
+        with self.lock:
+            self.failed += 1
+            self.failures[reason[:160]] += 1
+            self.failure_log.append((round(now() - self.t0, 1), reason[:300]))
+
     def client_loop(self, k: int) -> None:
-        i = k
+        a = self.args
         with WedlmClient(self.address, timeout=900) as client:
-            while now() < self.deadline:
-                reason, out = None, None
+            for i in range(k, 1 << 40, a.concurrency):
+                if now() >= self.deadline:
+                    return
                 try:
-                    out = client.generate(
-                        text=prompt_for(i), params=params_for(i, self.args.max_tokens)
-                    )
-                    if out.get("error") or out["finish_reason"] not in ("length", "stop"):
-                        reason = f"final {out['finish_reason']}: {out.get('error', '')}"[:160]
+                    out = client.generate(text=prompt_for(i), params=params_for(i, a.max_tokens))
+                    bad = out.get("error") or out["finish_reason"] not in OK
+                    reason = f"final {out['finish_reason']} {out.get('error', '')}" if bad else ""
                 except ClusterError as e:
-                    reason = str(e)[:160]
+                    reason = str(e)
+                if reason:
+                    self.fail(reason)
+                    continue
                 with self.lock:
-                    if reason:
-                        self.failures[reason] += 1
-                        self.failure_log.append((round(self.t(), 1), reason))
-                    else:
-                        self.completed += 1
-                        self.tokens += len(out["tokens"])
-                i += self.args.concurrency
+                    self.completed += 1
+                    self.tokens += len(out["tokens"])
 
     def sampler(self) -> None:
         while True:
-            rss = self.rss_mb()
-            with self.lock:
-                row = {"t": round(self.t(), 1), "completed": self.completed, "tokens": self.tokens}
-                row |= {"failures": sum(self.failures.values()), "rss_mb": rss}
-            self.samples.append(row)
+            self.samples.append(self.sample())
             if self.stop.wait(SAMPLE_S):
                 return
 
     def measure_recovery(self, rec: dict, t_kill: float) -> None:
         """Recovered = ClusterStatus says "serving" and a fresh small request completed."""
-        states: list[tuple[float, str]] = []
+        states: list[tuple[float, str]] = []  # (s after the kill, state) at each change
         done = threading.Event()
 
         def watch() -> None:
@@ -146,37 +146,29 @@ class Soak:
                         states.append((round(now() - t_kill, 2), s))
                     done.wait(POLL_S)
 
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
+        threading.Thread(target=watch, daemon=True).start()
         limit, probe = t_kill + self.args.kill_every, GenerationParams(mode="ar", max_tokens=4)
         serving = lambda: bool(states) and states[-1][1] == "serving"  # noqa: E731
         with WedlmClient(self.address, timeout=self.args.kill_every) as c:
-            while now() < limit:
+            while now() < limit and "recovery_s" not in rec:
                 if serving():
                     try:
                         out = c.generate(text="probe", params=probe)
-                        if serving() and out["finish_reason"] in ("length", "stop"):
+                        if serving() and out["finish_reason"] in OK:
                             rec["recovery_s"] = round(now() - t_kill, 2)
-                            break
                     except ClusterError as e:
-                        with self.lock:
-                            self.failures[f"probe {e}"[:160]] += 1
+                        self.fail(f"probe {e}")
                 time.sleep(POLL_S)
         done.set()
-        watcher.join(5)
         rec.setdefault("recovery_s", None)  # None: not recovered within --kill-every
         rec["states"] = states
 
     def fault_loop(self) -> None:
         a, n = self.args, 0
-        while True:
-            t_next = self.t0 + a.kill_every * (n + 1)
-            if t_next > self.deadline - a.restart_after - 10:
-                return
+        while (t_next := self.t0 + a.kill_every * (n + 1)) < self.deadline - a.restart_after - 10:
             time.sleep(max(0.0, t_next - now()))
-            slot = n % a.workers
+            slot, t_kill = n % a.workers, now()
             victim = self.slots[slot]
-            t_kill = now()
             os.kill(self.procs[victim].popen.pid, signal.SIGKILL)
             rec = {"t_s": round(t_kill - self.t0, 1), "worker": victim}
             self.faults.append(rec)
@@ -184,63 +176,54 @@ class Soak:
             watcher.start()
             self.procs[victim].popen.wait(10)
             time.sleep(max(0.0, t_kill + a.restart_after - now()))
-            name = f"w{slot}.{n // a.workers + 1}"
-            self.procs[name] = start_worker(self.model, self.cluster)[0]
-            self.slots[slot] = name
+            self.slots[slot] = name = f"w{slot}.{n // a.workers + 1}"
+            self.add_worker(name)
             rec |= {"restarted": name, "restart_listening_s": round(now() - t_kill, 2)}
             watcher.join()
             n += 1
 
-    def run(self) -> dict:
+    def run(self) -> float:
         self.t0 = now()
         self.deadline = self.t0 + self.args.minutes * 60
         sampler = threading.Thread(target=self.sampler, daemon=True)
-        sampler.start()
-        clients = [
-            threading.Thread(target=self.client_loop, args=(k,), daemon=True)
-            for k in range(self.args.concurrency)
-        ]
-        for c in clients:
-            c.start()
+        n = self.args.concurrency
+        clients = [threading.Thread(target=self.client_loop, args=(k,)) for k in range(n)]
+        for th in (sampler, *clients):
+            th.start()
         self.fault_loop()
-        for c in clients:
-            c.join()
-        elapsed = self.t()
+        for th in clients:
+            th.join()
+        elapsed = now() - self.t0
         self.stop.set()
         sampler.join()
-        return {"elapsed_s": round(elapsed, 1)}
+        return elapsed
 
     def server_finished(self) -> dict[str, float]:
         text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        prefix = "wedlm:request_success_total{"
-        return {
-            line.split('"')[1]: float(line.split()[-1])
-            for line in text.splitlines()
-            if line.startswith(prefix)
-        }
+        rows = [ln for ln in text.splitlines() if ln.startswith("wedlm:request_success_total{")]
+        return {ln.split('"')[1]: float(ln.split()[-1]) for ln in rows}
 
 
 def memory_report(samples: list[dict], long_s: float) -> dict[str, dict]:
-    series: dict[str, tuple[list[float], list[float]]] = {}
-    for row in samples:
-        for name, mb in row["rss_mb"].items():
-            series.setdefault(name, ([], []))
-            series[name][0].append(row["t"])
-            series[name][1].append(mb)
+    """Per process: first/last/max RSS and linear-fit slopes. Workers are fitted from the
+    first sample after the coordinator gave them layers (a spare holds no weights)."""
     out = {}
-    for name, (ts, mb) in series.items():
+    for name in dict.fromkeys(n for r in samples for n in r["rss_mb"]):
+        rows = [r for r in samples if name in r["rss_mb"]]
+        fit = [r for r in rows if name == "coordinator" or name in r["layers"]]
+        ts, mb = [r["t"] for r in fit], [r["rss_mb"][name] for r in fit]
         half = len(ts) // 2
-        lived = ts[-1] - ts[0]
         out[name] = {
-            "from_s": ts[0],
-            "lived_s": lived,
-            "first_mb": round(mb[0], 1),
-            "last_mb": round(mb[-1], 1),
-            "max_mb": round(max(mb), 1),
+            "from_s": rows[0]["t"],
+            "lived_s": rows[-1]["t"] - rows[0]["t"],
+            "served_s": ts[-1] - ts[0] if ts else 0.0,
+            "first_mb": rows[0]["rss_mb"][name],
+            "last_mb": rows[-1]["rss_mb"][name],
+            "max_mb": max(r["rss_mb"][name] for r in rows),
             "slope_mb_per_h": fit_mb_per_h(ts, mb),
             "slope_2nd_half_mb_per_h": fit_mb_per_h(ts[half:], mb[half:]),
-            "long_lived": name == "coordinator" or lived >= long_s,
         }
+        out[name]["long_lived"] = out[name]["served_s"] >= long_s
     return out
 
 
@@ -296,48 +279,43 @@ def main() -> None:
     soak = Soak(args, model)
     try:
         soak.start()
-        result = soak.run()
-        result["server_finished"] = soak.server_finished()
+        elapsed = soak.run()
+        finished = soak.server_finished()
     finally:
         for name, proc in soak.procs.items():
             proc.stop()
             (args.out / f"soak-{name}.log").write_text("".join(proc.log))
     rec = [f["recovery_s"] for f in soak.faults if f["recovery_s"] is not None]
-    long_s = 0.9 * min((args.workers - 1) * args.kill_every, args.minutes * 60)
-    memory = memory_report(soak.samples, long_s)
-    slopes = [m["slope_mb_per_h"] for n, m in memory.items() if n != "coordinator"]
-    long_slopes = [
-        m["slope_mb_per_h"]
-        for n, m in memory.items()
-        if n != "coordinator" and m["long_lived"] and m["slope_mb_per_h"] is not None
+    memory = memory_report(soak.samples, 0.9 * min(2 * args.kill_every, args.minutes * 60))
+    long = [
+        m["slope_mb_per_h"] for n, m in memory.items() if n != "coordinator" and m["long_lived"]
     ]
     result = {
         "title": f"soak: {model_name}, {args.workers} workers, concurrency {args.concurrency}, "
         f"kill every {args.kill_every:g} s, {args.minutes:g} min",
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        **result,
+        "elapsed_s": round(elapsed, 1),
         "completed": soak.completed,
-        "failed": sum(soak.failures.values()),
-        "failures": dict(soak.failures),
+        "failed": soak.failed,
+        "failures": soak.failures,
         "failure_log": soak.failure_log[:50],
+        "server_finished": finished,  # the coordinator's count, probes included
         "completion_tokens": soak.tokens,
-        "tokens_per_s": round(soak.tokens / result["elapsed_s"], 2),
+        "tokens_per_s": round(soak.tokens / elapsed, 2),
         "faults": soak.faults,
         "recovery_s": rec,
         "recovery_median_s": statistics.median(rec) if rec else None,
-        "recovery_max_s": max(rec) if rec else None,
+        "recovery_max_s": max(rec, default=None),
         "not_recovered": sum(f["recovery_s"] is None for f in soak.faults),
         "memory": memory,
         "coordinator_slope_mb_per_h": memory["coordinator"]["slope_mb_per_h"],
-        "worker_slope_max_long_lived_mb_per_h": max(long_slopes, default=None),
-        "worker_slope_max_any_mb_per_h": max((s for s in slopes if s is not None), default=None),
+        "worker_slope_max_long_lived_mb_per_h": max(
+            (x for x in long if x is not None), default=None
+        ),
     }
     (args.out / "soak.json").write_text(json.dumps({**result, "samples": soak.samples}, indent=1))
-    try:
-        plot(result, soak.samples, args.out / "soak.png")
-    except ImportError:
-        result["plot"] = "matplotlib missing"
+    plot(result, soak.samples, args.out / "soak.png")
     print(json.dumps(result))
 
 

@@ -5,6 +5,7 @@ workers that have none, and order the links by layer."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from common.checkpoint_weights import layer_nbytes
@@ -93,17 +94,25 @@ def assemble(
         per_layer,
         kv_bytes_per_layer(config, kv_reserve_tokens, dtype_bytes),
     )
+    todo = []
     for e in usable:
         if e.address not in plan:
             e.health = "spare"
             continue
-        want = plan[e.address]
+        e.layers = plan[e.address]
         current = LayerRange(e.info.layer_start, e.info.layer_end) if e.info.has_layers else None
-        if current != want:
-            log.info("assigning layers %s to %s", want, e.address)
-            e.info = e.link.assign(want.start, want.end)
-        e.layers = want
+        if current != e.layers:
+            todo.append(e)
+    if todo:  # workers load their ranges at the same time
+        with ThreadPoolExecutor(len(todo)) as pool:
+            for e, info in zip(todo, pool.map(_assign, todo), strict=True):
+                e.info = info
     return sorted(entries, key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
+
+
+def _assign(entry: WorkerEntry) -> pb.WorkerInfo:
+    log.info("assigning layers %s to %s", entry.layers, entry.address)
+    return entry.link.assign(entry.layers.start, entry.layers.end)
 
 
 def _room(entry: WorkerEntry, per_layer: int) -> int:

@@ -142,14 +142,7 @@ class CoordinatorServer:
                 self.browser.start()
             found = wait_for_workers(self.browser, static, opts.expect, opts.wait_timeout_s)
             self.state = "planning"
-            self.entries = assemble(
-                found,
-                self.config,
-                opts.secret,
-                opts.cluster,
-                opts.kv_reserve_tokens,
-                tls=opts.tls,
-            )
+            self.entries = self._plan_with_retries(found)
             links = pipeline_links(self.entries)
             self.engine.use_pipeline(RemotePipeline(links), opts.micro_batches or len(links))
             self._set_kv_budget()
@@ -161,10 +154,10 @@ class CoordinatorServer:
             self.heartbeat.start()
             self.state = "serving"
             threading.Thread(target=self._watch_readiness, name="readiness", daemon=True).start()
-        except (WedlmError, OSError) as e:
-            self.failed = str(e)
+        except Exception as e:  # whatever it was, say so: never "serve" without a pipeline
+            self.failed = str(e) or type(e).__name__
             self.state = "failed"
-            log.error("%s", e)
+            log.error("%s", self.failed)
         finally:
             self.ready.set()
 
@@ -207,6 +200,28 @@ class CoordinatorServer:
         for job in left:
             job.wait(5.0)
         return len(left)
+
+    def _plan_with_retries(self, found: list) -> list[WorkerEntry]:
+        """Plan and assign; a worker call that fails on the way (one died, or a slow Assign)
+        is transient: probe again. A plan that cannot exist (a gap, an overlap) is not."""
+        opts = self.opts
+        deadline = time.monotonic() + opts.wait_timeout_s
+        while True:
+            try:
+                return assemble(
+                    found,
+                    self.config,
+                    opts.secret,
+                    opts.cluster,
+                    opts.kv_reserve_tokens,
+                    tls=opts.tls,
+                )
+            except WorkerCallError as e:
+                if time.monotonic() > deadline:
+                    raise WedlmError(f"planning failed: {e}") from None
+                log.warning("planning: %s; probing the workers again", e)
+                time.sleep(1.0)
+                found = self._candidates() or found
 
     def _current_pipeline(self) -> RemotePipeline | None:
         pipeline = self.engine.pipeline

@@ -201,7 +201,7 @@ def new_rows(
 def forward_requests(draw: st.DrawFn) -> pb.ForwardRequest:
     """Every field either consistent with the others (most of the time) or random, so that
     the checks after the first one are reached too."""
-    b = draw(st.one_of(st.integers(1, 3), st.just(0)))
+    b = draw(_mostly(st.integers(1, 3), st.just(0)))
     t = draw(_mostly(st.integers(1, 8), st.sampled_from([511, 512, 513, 4097, 1 << 20])))
     seq_ids = draw(
         _mostly(st.lists(SEQ_ID, min_size=b, max_size=b, unique=True), st.lists(SEQ_ID, max_size=4))
@@ -273,35 +273,56 @@ VALID_GENERATE = [
 ]
 
 
+# (plausible, wild) values of each GenerateRequest field; None leaves an optional unset.
+_PROMPTS = (
+    st.one_of(
+        st.text(min_size=1, max_size=40).map(lambda t: ("text", t)),
+        st.lists(st.integers(0, 319), min_size=1, max_size=20).map(lambda ids: ("ids", ids)),
+    ),
+    st.one_of(
+        st.just(("none", None)),
+        TEXT.map(lambda t: ("text", t)),
+        st.integers(0, 1000).map(lambda n: ("text", "word " * n)),  # past the context of 512
+        st.lists(I32, max_size=8).map(lambda ids: ("ids", ids)),
+        st.integers(400, 600).map(lambda n: ("ids", [7] * n)),
+    ),
+)
+_GENERATE_FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
+    "chat": (st.booleans(), st.booleans()),
+    "mode": (st.sampled_from(["", "wedlm", "ar"]), TEXT),
+    "window": (st.none() | st.integers(1, 16), I32),
+    "threshold": (st.none() | st.floats(0.05, 3.0), F64),
+    "one_by_one": (st.just(False), st.just(True)),
+    "penalty": (st.none() | st.floats(0.0, 1.0), F64),
+    "temperature": (st.floats(0.0, 2.0), F64),
+    "top_p": (st.none() | st.floats(0.01, 1.0), F64),
+    "top_k": (st.integers(0, 400), I32),
+    "max_tokens": (st.integers(1, 6), st.none() | I32),
+    "stop_ids": (st.lists(st.integers(0, 319), max_size=3), st.lists(I32, max_size=3)),
+    "stop": (st.lists(st.text(min_size=1, max_size=5), max_size=2), st.lists(TEXT, max_size=3)),
+    "seed": (U32, U32),
+    "deadline_s": (st.sampled_from([0.0, 30.0]), st.one_of(st.just(1e-9), F64)),
+}
+
+
 @st.composite
-def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
-    """Random requests whose fields are mostly plausible, each sometimes wild."""
+def generate_requests(draw: st.DrawFn, max_wild: int = 2) -> pb.GenerateRequest:
+    """Plausible requests with up to `max_wild` fields wild (none: a request to accept)."""
+    wild = draw(st.sets(st.sampled_from(["prompt", *_GENERATE_FIELDS]), max_size=max_wild))
     msg = pb.GenerateRequest()
-    which = draw(st.sampled_from(["text", "ids", "none"]))
-    if which == "text":
-        long = st.integers(0, 1000).map(lambda n: "word " * n)  # past the context of 512
-        msg.text = draw(_mostly(st.text(min_size=1, max_size=40), st.one_of(TEXT, long)))
-    elif which == "ids":
-        long = st.integers(400, 600).map(lambda n: [7] * n)
-        ids = _mostly(st.lists(st.integers(0, 319), max_size=20), st.one_of(st.lists(I32), long))
-        msg.token_ids.ids.extend(draw(ids))
-    msg.chat = draw(st.booleans())
-    msg.mode = draw(_mostly(st.sampled_from(["", "wedlm", "ar"]), TEXT))
-    optional: dict[str, st.SearchStrategy] = {
-        "window": _mostly(st.integers(1, 64), I32),
-        "threshold": _mostly(st.floats(0.01, 3.0), F64),
-        "penalty": _mostly(st.floats(0.0, 1.0), F64),
-        "top_p": _mostly(st.floats(0.01, 1.0), F64),
-        "max_tokens": _mostly(st.integers(1, 6), I32),
-    }
-    for name, values in optional.items():
-        if draw(st.booleans()):
-            setattr(msg, name, draw(values))
-    msg.one_by_one = draw(st.booleans())
-    msg.temperature = draw(_mostly(st.floats(0.0, 2.0), F64))
-    msg.top_k = draw(_mostly(st.integers(0, 400), I32))
-    msg.stop_ids.extend(draw(st.lists(_mostly(st.integers(0, 319), I32), max_size=3)))
-    msg.stop.extend(draw(st.lists(TEXT, max_size=3)))
-    msg.seed = draw(U32)
-    msg.deadline_s = draw(_mostly(st.sampled_from([0.0, 30.0, 1e-9]), F64))
+    kind, prompt = draw(_PROMPTS["prompt" in wild])
+    if kind == "text":
+        msg.text = prompt
+    elif kind == "ids":
+        msg.token_ids.ids.extend(prompt)
+    for name, choices in _GENERATE_FIELDS.items():
+        value = draw(choices[name in wild])
+        if name == "chat" and kind == "ids" and name not in wild:
+            value = False  # chat applies to text prompts only
+        if name == "one_by_one" and msg.HasField("threshold") and name not in wild:
+            value = False  # the two are exclusive
+        if isinstance(value, list):
+            getattr(msg, name).extend(value)
+        elif value is not None:
+            setattr(msg, name, value)
     return msg
