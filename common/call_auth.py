@@ -57,6 +57,8 @@ class TokenChecker:
             return "missing cluster credentials (x-wedlm-auth)"
         try:
             stamp, nonce, sig = token.split(":")
+            if len(stamp) > 12:  # a Unix time; longer ones cannot be one (or a float)
+                raise ValueError(stamp)
             age = abs(time.time() - int(stamp))
         except ValueError:
             return "malformed cluster credentials"
