@@ -15,9 +15,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.errors import WedlmError
+from common.grpc_services import add_service
 from common.model_parts import load_model_parts
 from common.proto_gen import wedlm_pb2 as pb
-from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, bind
 from common.tokenizer import Tokenizer
 from coordinator.cluster_setup import WorkerEntry, assemble, pipeline_links
@@ -116,7 +116,7 @@ class CoordinatorServer:
             opts.model.name,
             lambda: self.draining,
         )
-        pb_grpc.add_CoordinatorServicer_to_server(servicer, self.server)
+        add_service(self.server, servicer, "Coordinator")
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         # "" and "liveness": the process answers. "readiness": the model is loaded, the
         # workers are planned, the engine progresses when it has work, and it is not draining.

@@ -14,9 +14,9 @@ from common import host_info
 from common.call_auth import PROTOCOL_VERSION, ClusterAuthInterceptor
 from common.discovery_record import WorkerAdvert
 from common.errors import WedlmError
+from common.grpc_services import add_service
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
-from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, bind
 from shard_worker.bonjour import BonjourAdvert
 from shard_worker.held_layers import HeldLayers
@@ -99,7 +99,7 @@ class WorkerServer:
         self.servicer = WorkerServicer(
             identity, config, self.layers, self.mlx, on_layers_changed=self._layers_changed
         )
-        pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        add_service(self.server, self.servicer, "Worker")
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._set_health()

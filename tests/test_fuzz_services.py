@@ -41,8 +41,7 @@ REFUSALS = {
     S.RESOURCE_EXHAUSTED,
     S.UNAVAILABLE,
 }
-# What grpcio itself answers when the request bytes do not parse (no servicer code runs).
-UNPARSEABLE = (S.INTERNAL, "Exception deserializing request!")
+# Request bytes that do not parse are answered INVALID_ARGUMENT, "malformed <Message>: ...".
 WORKER_METHODS = ("Forward", "Release", "Assign", "Info")
 COORDINATOR_METHODS = (
     "Generate",
@@ -186,15 +185,14 @@ def serving(cluster: Cluster) -> Iterator[Cluster]:
 
 
 def unexpected_errors(log: str) -> list[str]:
-    """The exceptions a log shows, except grpcio's DecodeError for unparseable requests."""
+    """The exceptions a log shows (an unparseable request must not log one)."""
     found, lines = [], log.splitlines()
     for n, line in enumerate(lines):
         if "unexpected error" in line:
             found.append(line)
         if line.startswith("Traceback"):  # its exception is the next unindented line
             last = next((x for x in lines[n + 1 :] if x and not x.startswith(" ")), "")
-            if not last.startswith("google.protobuf.message.DecodeError"):
-                found.append(last)
+            found.append(last)
     return found
 
 
@@ -253,9 +251,9 @@ def raw_method(channel: grpc.Channel, service: str, method: str) -> Callable[...
 
 
 def check_raw_refusal(cluster: Cluster, what: str, error: grpc.RpcError, since, extra: set[S]):
-    """Garbage may fail to parse (grpcio's own INTERNAL, before any servicer code runs);
-    everything else must be a precise status."""
-    if (error.code(), error.details()) == UNPARSEABLE:
+    """Garbage that does not parse gets INVALID_ARGUMENT naming the message; everything
+    else must be a precise status too."""
+    if error.code() == S.INVALID_ARGUMENT and (error.details() or "").startswith("malformed "):
         event("unparseable")
         return
     refused(cluster, what, error, REFUSALS | extra, since)

@@ -1,0 +1,320 @@
+"""Serving benchmark: a closed-loop load generator over the coordinator's gRPC API.
+
+At each concurrency C, C client threads each send a request, wait for it to finish and send
+the next. Per level: aggregate output tok/s, TTFT, time per output token (TPOT), inter-token
+latency (ITL), tokens per forward and failures. Also: the same sweep on mlx-lm's
+BatchGenerator (benchmarks/serve_mlxlm.py, in a subprocess), 1 vs P micro-batches in flight
+(--workers >= 2) and WeDLM vs AR on a WeDLM checkpoint. Prints one JSON object and writes
+serve.json + serve.png to --out.
+
+  python benchmarks/serve.py --model default --concurrency 1 2 4 8 --max-tokens 24
+  python benchmarks/serve.py --model random-qwen3-8b --workers 2 --phases pipeline
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.serve_mlxlm import PROMPTS, Rec, Schedule, now, summarize, sweep_in_subprocess  # noqa: E402
+from common.model_config import load_model_config  # noqa: E402
+from coordinator.cluster_client import ClusterError, WedlmClient  # noqa: E402
+from coordinator.generation_params import GenerationParams  # noqa: E402
+from coordinator.local_engine import resolve_model  # noqa: E402
+from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker  # noqa: E402
+
+COUNTING = ("Count from 1 to 100: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",)  # where the weak model works
+TARGETS = {"c16_over_c1": 6.0, "ar_over_mlxlm_min": 1.0, "pipeline_p_over_1": 1.3}
+PHASES = ("sweep", "mlxlm", "pipeline", "wedlm")
+
+
+# ---- the closed loop over gRPC -------------------------------------------------------------
+def grpc_level(address: str, c: int, prompts, params: GenerationParams, args) -> dict:
+    """C threads, each: send a request, read its stream to the end, send the next."""
+    schedule = Schedule(args.duration, args.requests, args.warmup)
+    recs: list[Rec] = []
+
+    def thread(i: int) -> None:
+        with WedlmClient(address) as client:
+            for k in itertools.count(i, c):
+                if (rec := schedule.next()) is None:
+                    return
+                try:
+                    text = prompts[k % len(prompts)]
+                    for event in client.generate_stream(text=text, params=params):
+                        if event[0] == "tokens":
+                            rec.events.append((now(), len(event[1])))
+                        else:
+                            rec.final = event[1]
+                            rec.error = "FINAL_ERROR" if event[1].get("error") else None
+                except ClusterError as e:
+                    rec.error = e.code.name
+                    time.sleep(0.05)  # do not spin on a refusal
+                rec.end = now()
+                recs.append(rec)
+
+    with ThreadPoolExecutor(c) as pool:
+        list(pool.map(thread, range(c)))
+    stats = summarize(recs, schedule.window)
+    print(f"  C={c} {params.mode}: {stats['tok_s']} tok/s, TTFT p50 {stats['ttft_ms_p50']} ms",
+          file=sys.stderr)  # fmt: skip
+    return stats
+
+
+# ---- a local cluster -----------------------------------------------------------------------
+def even_ranges(layers: int, n: int) -> list[str]:
+    cuts = [round(i * layers / n) for i in range(n + 1)]
+    return [f"{a}-{b - 1}" for a, b in itertools.pairwise(cuts)]
+
+
+class Cluster:
+    """N workers with fixed even layer ranges; the coordinator can be restarted."""
+
+    def __init__(self, model: Path, workers: int, max_running: int) -> None:
+        self.model, self.max_running = model, max_running
+        self.name = cluster_name()
+        ranges = even_ranges(load_model_config(model).num_layers, workers)
+        self.coordinator: Proc | None = None
+        self.workers: list[tuple[Proc, str]] = []
+        with ThreadPoolExecutor(workers) as pool:  # they load in parallel
+            starts = [pool.submit(start_worker, model, self.name, "--layers", r, "--no-bonjour")
+                      for r in ranges]  # fmt: skip
+        try:
+            self.workers = [f.result() for f in starts]
+        except BaseException:
+            for f in starts:
+                if f.exception() is None:
+                    f.result()[0].stop()
+            raise
+
+    def start_coordinator(self, micro_batches: int | None = None) -> str:
+        self.stop_coordinator()
+        extra = ["--no-bonjour", "--expect", str(len(self.workers))]
+        for _, address in self.workers:
+            extra += ["--worker", address]
+        extra += ["--max-running", str(self.max_running), "--max-queued", str(4 * self.max_running)]
+        if micro_batches:
+            extra += ["--micro-batches", str(micro_batches)]
+        self.coordinator, address = start_coordinator(self.model, self.name, *extra)
+        self.coordinator.expect(r"wedlm-coordinator serving", timeout=600)
+        return address
+
+    def stop_coordinator(self) -> None:
+        if self.coordinator is not None:
+            self.coordinator.stop()
+            self.coordinator = None
+
+    def stop(self) -> None:
+        self.stop_coordinator()
+        for proc, _ in self.workers:
+            proc.stop()
+
+
+def sweep(address: str, levels: list[int], prompts, params: GenerationParams, args) -> dict:
+    return {str(c): grpc_level(address, c, prompts, params, args) for c in levels}
+
+
+# ---- the model -----------------------------------------------------------------------------
+def prepare_model(args) -> tuple[Path, str]:
+    if args.model != "random-qwen3-8b":
+        return resolve_model(args.model), args.model
+    try:  # the writer lives in benchmarks/cluster.py (random bf16 Qwen3-8B shape, shards)
+        from benchmarks.cluster import QWEN3_8B, write_random_qwen3
+    except ImportError as e:
+        raise SystemExit(f"random-qwen3-8b needs benchmarks/cluster.py: {e}") from None
+    layers = args.layers_override or QWEN3_8B["layers"]
+    hidden = args.hidden_override or QWEN3_8B["hidden"]
+    path = args.ckpt_dir or Path(f"/tmp/wedlm-random-qwen3-8b-L{layers}-H{hidden}")
+    write_random_qwen3(path, layers, hidden)
+    return path, f"random-qwen3-8b(layers={layers},hidden={hidden},bf16)"
+
+
+# ---- report --------------------------------------------------------------------------------
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def targets(result: dict, levels: list[int]) -> dict:
+    t: dict = {"required": TARGETS}
+    tok_s = {c: v["tok_s"] for c, v in result.get("sweep", {}).items()}
+    if "1" in tok_s and "16" in tok_s:
+        t["c16_over_c1"] = ratio(tok_s["16"], tok_s["1"])
+    if "1" in tok_s and str(levels[-1]) in tok_s:  # for runs without C=16
+        t[f"c{levels[-1]}_over_c1"] = ratio(tok_s[str(levels[-1])], tok_s["1"])
+    if "ours_over_mlxlm" in result:
+        ratios = [v for v in result["ours_over_mlxlm"].values() if v is not None]
+        t["ar_over_mlxlm_min"] = min(ratios) if ratios else None
+        t["ar_over_mlxlm_note"] = f"ours in --mode {result['mode']} vs mlx-lm AR"
+    if "pipeline" in result:
+        t["pipeline_p_over_1"] = result["pipeline"]["ratio"]
+    return t
+
+
+def series(data: dict, key: str) -> list[float]:
+    return [np.nan if v[key] is None else v[key] for v in data.values()]
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    sides = (("ours", result.get("sweep"), "o-", "C0"),
+             ("mlx-lm BatchGenerator", result.get("mlxlm"), "s--", "C1"))  # fmt: skip
+    ticks: set[int] = set()
+    for label, data, style, color in sides:
+        if not data:
+            continue
+        cs = [int(c) for c in data]
+        ticks.update(cs)
+        a.plot(cs, series(data, "tok_s"), style, color=color, label=label)
+        for q, alpha in (("p50", 1.0), ("p99", 0.45)):
+            ys = series(data, f"ttft_ms_{q}")
+            b.plot(cs, ys, style, color=color, alpha=alpha, label=f"{label} {q}")
+    for ax, ylabel in ((a, "aggregate output tok/s"), (b, "TTFT (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(ticks), [str(c) for c in sorted(ticks)])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['model']}, {result['workers']} worker(s), {result['device']}, "
+                 f"max_tokens {result['max_tokens']}", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_cluster_phases(result: dict, model: Path, args) -> None:
+    """The sweep at the default P, then (>= 2 workers) the largest level at 1 and at P
+    micro-batches in flight, restarting the coordinator between them (the workers stay)."""
+    levels, top = sorted(args.concurrency), max(args.concurrency)
+    params = GenerationParams(mode=args.mode, max_tokens=args.max_tokens)
+    cluster = Cluster(model, args.workers, top)
+    try:
+        if "sweep" in args.phases:
+            result["sweep"] = sweep(cluster.start_coordinator(), levels, PROMPTS, params, args)
+            save(result, args, partial=True)
+        if "pipeline" in args.phases and args.workers >= 2:
+            runs = {}
+            for p in (1, args.workers):
+                address = cluster.start_coordinator(micro_batches=p)
+                runs[str(p)] = grpc_level(address, top, PROMPTS, params, args)
+            r = ratio(runs[str(args.workers)]["tok_s"], runs["1"]["tok_s"])
+            result["pipeline"] = {"concurrency": top, "micro_batches": runs, "ratio": r}
+            save(result, args, partial=True)
+    finally:
+        cluster.stop()
+
+
+def run_wedlm_phase(result: dict, args) -> None:
+    """WeDLM vs AR on a WeDLM checkpoint, one worker, the counting prompt."""
+    model = resolve_model(args.wedlm_model)
+    cluster = Cluster(model, 1, max(args.wedlm_concurrency))
+    try:
+        address = cluster.start_coordinator()
+        out: dict = {"model": str(model), "prompt": COUNTING[0], "threshold": args.wedlm_threshold}
+        for mode in ("wedlm", "ar"):
+            p = GenerationParams(
+                mode=mode, max_tokens=args.max_tokens, threshold=args.wedlm_threshold
+            )
+            out[mode] = sweep(address, args.wedlm_concurrency, COUNTING, p, args)
+        out["wedlm_over_ar_tok_s"] = {
+            c: ratio(w["tok_s"], out["ar"][c]["tok_s"]) for c, w in out["wedlm"].items()
+        }
+        result["wedlm_vs_ar"] = out
+    finally:
+        cluster.stop()
+
+
+def save(result: dict, args, partial: bool = False) -> None:
+    name = "serve.partial.json" if partial else "serve.json"
+    (args.out / name).write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="PATH, default or random-qwen3-8b")
+    ap.add_argument("--address", help="HOST:PORT of a running coordinator (sweep only)")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds per level")
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (not --duration)")
+    ap.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds per level")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--mode", choices=("wedlm", "ar"), default="ar")
+    ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    ap.add_argument("--wedlm-model", help="a WeDLM checkpoint: WeDLM vs AR on it")
+    ap.add_argument("--wedlm-concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--wedlm-threshold", type=float, default=0.6, help="WeDLM entropy threshold")
+    ap.add_argument("--layers-override", type=int, help="random-qwen3-8b: layers (36)")
+    ap.add_argument("--hidden-override", type=int, help="random-qwen3-8b: hidden size (4096)")
+    ap.add_argument("--ckpt-dir", type=Path, help="random-qwen3-8b: where to write it")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
+    args = ap.parse_args()
+    if args.requests:
+        args.duration = 0.0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups on a kill
+    t_start = now()
+    if args.address:
+        with WedlmClient(args.address) as client:
+            model, name = None, f"{client.model_info().model_name} at {args.address}"
+    else:
+        model, name = prepare_model(args)
+    import mlx.core as mx
+
+    try:  # not every backend names its device
+        device = f"{mx.default_device()} {mx.device_info().get('device_name', '')}".strip()
+    except Exception:
+        device = str(mx.default_device())
+    result: dict = {
+        "model": name, "device": device, "mlx": mx.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"), "workers": args.workers, "mode": args.mode,
+        "max_tokens": args.max_tokens, "prompts": len(PROMPTS), "warmup_s": args.warmup,
+        "per_level": f"{args.requests} requests" if args.requests else f"{args.duration} s",
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    levels = sorted(args.concurrency)
+    if args.address:
+        params = GenerationParams(mode=args.mode, max_tokens=args.max_tokens)
+        result["sweep"] = sweep(args.address, levels, PROMPTS, params, args)
+    else:
+        if "mlxlm" in args.phases:  # first: its process is gone before the cluster starts
+            result["mlxlm"] = sweep_in_subprocess(model, args)
+            save(result, args, partial=True)
+        if {"sweep", "pipeline"} & set(args.phases):
+            run_cluster_phases(result, model, args)
+        if args.wedlm_model and "wedlm" in args.phases:
+            run_wedlm_phase(result, args)
+    if "mlxlm" in result and "sweep" in result:
+        ours = result["sweep"]
+        result["ours_over_mlxlm"] = {
+            c: ratio(ours[c]["tok_s"], m["tok_s"]) for c, m in result["mlxlm"].items() if c in ours
+        }
+    result["targets"] = targets(result, levels)
+    result["total_s"] = round(now() - t_start, 1)
+    try:
+        if "sweep" in result or "mlxlm" in result:
+            plot(result, args.out / "serve.png")
+    except ImportError:
+        result["plot"] = "matplotlib missing"
+    save(result, args)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
