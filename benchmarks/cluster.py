@@ -16,19 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import queue
-import re
 import secrets
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the project root holds tests/ too
+    sys.path.insert(0, str(ROOT))
 
 from common.model_config import load_model_config
 from common.rows_spec import RowsSpec
@@ -38,13 +37,15 @@ from coordinator.local_engine import open_local_engine, resolve_model
 from coordinator.remote_pipeline import forward_request
 from coordinator.results import result_record
 from coordinator.worker_link import WorkerLink
+from tests.cluster_harness import Proc, spawn
 
 now = time.perf_counter
 PAYLOADS = (16 * 1024, 256 * 1024, 4 * 1024 * 1024)
 HOP_TARGET_MS = 0.5  # per-hop overhead at 256 KiB
 STEP_TARGET = 1.15  # 2 workers / single process
 WINDOW = 16
-STARTUP_TIMEOUT_S = 300.0
+STARTUP_TIMEOUT_S = 300.0  # a 16 GB checkpoint takes a while to load
+LISTENING = r"listening on (127\.0\.0\.1:\d+)"
 
 
 # ---- a random Qwen3-8B-shaped checkpoint ----------------------------------------------------
@@ -162,50 +163,9 @@ def write_random_qwen3(out: Path, layers: int, hidden: int, layers_per_shard: in
 
 
 # ---- processes ------------------------------------------------------------------------------
-class Proc:
-    def __init__(self, *args: str) -> None:
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.lines: queue.Queue = queue.Queue()
-        self.log: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.log.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def expect(self, pattern: str, timeout: float = STARTUP_TIMEOUT_S) -> re.Match:
-        regex, deadline = re.compile(pattern), time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"no {pattern!r} in time: {''.join(self.log[-20:])}") from None
-            if line is None:
-                raise RuntimeError(f"exited before {pattern!r}: {''.join(self.log[-20:])}")
-            if m := regex.search(line):
-                return m
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
-
-
 def start_workers(model: Path, cluster: str, ranges: list[str]) -> list[tuple[Proc, str]]:
     procs = [
-        Proc(
+        spawn(
             "shard_worker.cli",
             "--model",
             str(model),
@@ -224,7 +184,9 @@ def start_workers(model: Path, cluster: str, ranges: list[str]) -> list[tuple[Pr
     out = []
     for p in procs:
         try:
-            out.append((p, p.expect(r"listening on (127\.0\.0\.1:\d+)").group(1)))
+            out.append(
+                (p, p.expect(r"listening on (127\.0\.0\.1:\d+)", STARTUP_TIMEOUT_S).group(1))
+            )
         except Exception:
             for q in procs:
                 q.stop()
@@ -339,10 +301,12 @@ class Cluster:
         ]
         for _, address in self.workers:
             args += ["--worker", address]
-        self.coord = Proc(*args)
+        self.coord = spawn(*args)
         try:
-            address = self.coord.expect(r"listening on (127\.0\.0\.1:\d+)").group(1)
-            self.coord.expect(r"wedlm-coordinator serving")
+            address = self.coord.expect(
+                r"listening on (127\.0\.0\.1:\d+)", STARTUP_TIMEOUT_S
+            ).group(1)
+            self.coord.expect(r"wedlm-coordinator serving", STARTUP_TIMEOUT_S)
         except Exception:
             self.stop()
             raise

@@ -28,12 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve_mlxlm import PROMPTS, Rec, Schedule, now, summarize, sweep_in_subprocess  # noqa: E402
-from common.model_config import load_model_config  # noqa: E402
-from coordinator.cluster_client import ClusterError, WedlmClient  # noqa: E402
-from coordinator.generation_params import GenerationParams  # noqa: E402
-from coordinator.local_engine import resolve_model  # noqa: E402
-from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker  # noqa: E402
+from benchmarks.serve_mlxlm import PROMPTS, Rec, Schedule, now, summarize, sweep_in_subprocess
+from common.model_config import load_model_config
+from coordinator.cluster_client import ClusterError, WedlmClient
+from coordinator.generation_params import GenerationParams
+from coordinator.local_engine import resolve_model
+from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker
 
 COUNTING = ("Count from 1 to 100: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",)  # where the weak model works
 TARGETS = {"c16_over_c1": 6.0, "ar_over_mlxlm_min": 1.0, "pipeline_p_over_1": 1.3}

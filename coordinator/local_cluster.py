@@ -19,7 +19,8 @@ from common.tls import load_tls
 from coordinator.client_cli import params_from_args
 from coordinator.cluster_client import WedlmClient
 from coordinator.local_engine import resolve_model
-from coordinator.server import CoordinatorServer, ServeOptions
+from coordinator.server import CoordinatorServer
+from coordinator.server_cli import serve_options
 
 START_TIMEOUT_S = 600.0
 
@@ -68,20 +69,13 @@ def run_local(args: argparse.Namespace) -> int:
     try:
         for i, proc in enumerate(procs):
             print(_await_listening(proc, logs / f"worker-{i}.log"), file=sys.stderr, flush=True)
-        opts = ServeOptions(
+        opts = serve_options(
+            args,
             model=model,
             host="127.0.0.1",
-            port=args.port,
             cluster=cluster,
             secret=secret,
             expect=args.workers,
-            max_running=args.max_running,
-            max_queued=args.max_queued,
-            max_queued_tokens=args.max_queued_tokens,
-            micro_batches=args.micro_batches or 0,
-            metrics_port=args.metrics_port,
-            wait_timeout_s=args.wait_timeout,
-            kv_reserve_tokens=args.kv_reserve_tokens,
             # A local cluster's name is new each run: keep jobs only where asked to.
             state_dir=args.state_dir if str(args.state_dir or "none") != "none" else None,
             tls=tls,

@@ -147,20 +147,16 @@ def state_dir(flag: Path | None) -> Path | None:
     return Path(base) / "wedlm-cluster"
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve_options(args: argparse.Namespace, **fixed):
+    """ServeOptions from the flags `serve` and `local` share, plus `fixed` ones."""
     from common.tls import load_tls
-    from coordinator.local_engine import resolve_model
-    from coordinator.server import CoordinatorServer, ServeOptions
+    from coordinator.server import ServeOptions
 
-    opts = ServeOptions(
-        model=resolve_model(args.model),
+    shared = dict(
         host=args.host,
         port=args.port,
         cluster=args.cluster,
         secret=args.secret,
-        workers=args.worker,
-        expect=args.expect,
-        bonjour=not args.no_bonjour,
         max_running=args.max_running,
         max_queued=args.max_queued,
         max_queued_tokens=args.max_queued_tokens,
@@ -168,8 +164,22 @@ def serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         wait_timeout_s=args.wait_timeout,
         kv_reserve_tokens=args.kv_reserve_tokens,
-        state_dir=state_dir(args.state_dir),
         tls=load_tls(args.tls_cert, args.tls_key, args.tls_ca),
+    )
+    return ServeOptions(**{**shared, **fixed})
+
+
+def serve(args: argparse.Namespace) -> int:
+    from coordinator.local_engine import resolve_model
+    from coordinator.server import CoordinatorServer
+
+    opts = serve_options(
+        args,
+        model=resolve_model(args.model),
+        workers=args.worker,
+        expect=args.expect,
+        bonjour=not args.no_bonjour,
+        state_dir=state_dir(args.state_dir),
     )
     server = CoordinatorServer(opts)
     server.start()

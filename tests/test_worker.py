@@ -32,6 +32,7 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode
+from coordinator.remote_pipeline import forward_request
 
 SECRET = "test-secret"
 LINE = re.compile(r"^wedlm-worker (\S+) listening on (\S+):(\d+) layers (\S+) \(model (\w+)\)$")
@@ -90,16 +91,8 @@ class Worker:
 
 
 def request(spec: RowsSpec, hidden: mx.array, batch_id: int = 0) -> pb.ForwardRequest:
-    return pb.ForwardRequest(
-        batch_id=batch_id,
-        seq_ids=spec.seq_ids,
-        committed=spec.starts.tolist(),
-        widths=spec.widths.tolist(),
-        keep=spec.keeps.tolist(),
-        filled=spec.filled.astype(np.uint8).tobytes(),
-        positions=spec.starts.tolist(),
-        hidden=encode(hidden),
-    )
+    """The request the coordinator's pipeline would send."""
+    return forward_request(batch_id, spec, encode(hidden))
 
 
 def spec_of(seq_ids, starts, widths, keeps, filled) -> RowsSpec:
