@@ -65,6 +65,7 @@ class Engine:
         # The model's EOS ids and the tokenizer's chat end tokens always stop.
         self.model_stop_ids = tuple(dict.fromkeys(self.config.eos_token_ids + tuple(stop_ids)))
         self.forwards = 0
+        self.undelivered: list[Commit] = []  # commits of a step that then failed
 
     def use_pipeline(self, pipeline: Pipeline, micro_batches: int) -> None:
         """Switch to another pipeline (e.g. once the workers are planned). Call while idle."""
@@ -125,13 +126,19 @@ class Engine:
     def step(self) -> list[Commit]:
         self.scheduler.admit()
         commits: list[Commit] = []
-        while len(self.in_flight) < self.micro_batches:
-            picked = self.scheduler.next_micro_batch(commits)
-            if picked is None:
-                break
-            self._launch(*picked)
-        if self.in_flight:
-            commits += self._complete()
+        try:
+            while len(self.in_flight) < self.micro_batches:
+                picked = self.scheduler.next_micro_batch(commits)
+                if picked is None:
+                    break
+                self._launch(*picked)
+            if self.in_flight:
+                commits += self._complete()
+        except Exception:
+            # Sequences may have finished before the failure (their last tokens were known
+            # without a forward): keep those commits for whoever handles the failure.
+            self.undelivered += commits
+            raise
         done = self.scheduler.reap({p.seq.seq_id for f in self.in_flight for p in f.plans})
         if done:
             self.pipeline.release([s.seq_id for s in done])
@@ -261,6 +268,10 @@ class Engine:
         s.groups_count = self.micro_batches
         s.groups = [[] for _ in range(self.micro_batches)]
         s.busy.clear()
+
+    def take_undelivered(self) -> list[Commit]:
+        commits, self.undelivered = self.undelivered, []
+        return commits
 
     def fail_all(self) -> list[Sequence]:
         """Finish every running sequence with an error (a forward was lost)."""

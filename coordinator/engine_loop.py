@@ -112,6 +112,7 @@ class EngineLoop(threading.Thread):
             commits = self.engine.step()
         except Exception as e:  # a worker failed mid-forward
             log.error("forward failed: %s", e)
+            self._deliver(self.engine.take_undelivered())  # finished before the failure
             if self.recover is not None and self._recover(e):
                 return
             failed = self.engine.fail_all()
@@ -123,7 +124,12 @@ class EngineLoop(threading.Thread):
                 log.warning("could not release KV after a failure: %s", release_error)
             return
         self.ticks += 1
-        self.last_progress = now = time.monotonic()
+        self.last_progress = time.monotonic()
+        self._deliver(commits)
+        self._gauges()
+
+    def _deliver(self, commits) -> None:
+        now = time.monotonic()
         for commit in commits:
             live = self._live.get(commit.seq.seq_id)
             if live is None:
@@ -134,7 +140,6 @@ class EngineLoop(threading.Thread):
             if commit.seq.finished:
                 self._finish(commit.seq, "done")
         self._mark_started(now)
-        self._gauges()
 
     def _recover(self, error: Exception) -> bool:
         """Re-plan over the workers that are left (or wait for one), then rebuild every

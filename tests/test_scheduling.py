@@ -154,3 +154,40 @@ def test_admission_by_kv_memory(model):
     for _ in engine.stream(seqs):
         assert engine.scheduler.kv_in_use() <= 100
     assert all(s.finish_reason in ("length", "stop") for s in seqs)
+
+
+def test_commits_of_a_failed_step_are_not_lost(model):
+    """A sequence whose last tokens are known finishes without a forward; if a worker fails
+    later in that same step, its final commit is kept for the recovery to deliver."""
+    from coordinator.pipeline import LocalPipeline
+
+    local = open_local_engine(model, num_rows=8)
+    engine = local.engine
+    parts = engine.parts
+    failed_once = []
+
+    class Flaky(LocalPipeline):
+        def collect(self):
+            finished_now = [s for s in engine.scheduler.running if s.finished]
+            if finished_now and not failed_once:
+                failed_once.append(finished_now)
+                raise RuntimeError("worker lost")
+            return super().collect()
+
+    engine.restart_on(Flaky(parts), 1)
+    seqs = [
+        engine.submit(
+            local.tokenizer.encode(f"prompt {i} fox"), GenerationParams(max_tokens=12 + 3 * i)
+        )
+        for i in range(6)
+    ]
+    delivered = set()
+    while engine.has_work:
+        try:
+            commits = engine.step()
+        except RuntimeError:
+            commits = engine.take_undelivered()  # what the engine loop does on a failure
+            engine.restart_on(LocalPipeline(parts), 1)
+        delivered |= {c.seq.seq_id for c in commits if c.seq.finished}
+    assert failed_once, "the failure was never triggered"
+    assert delivered == {s.seq_id for s in seqs}
