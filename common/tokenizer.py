@@ -54,12 +54,8 @@ class Tokenizer:
         return self._hf.decode(ids, skip_special_tokens=True)
 
     def detokenizer(self) -> TextStream:
-        """A fresh streaming detokenizer for one sequence."""
-        detok = self._wrapper.detokenizer
-        fresh = type(detok).__new__(type(detok))
-        fresh.__dict__.update(detok.__dict__)
-        fresh.reset()
-        return TextStream(fresh, self.special_ids)
+        """A fresh streaming detokenizer for one sequence (mlx-lm hands out a reset copy)."""
+        return TextStream(self._wrapper.detokenizer, self.special_ids)
 
 
 class TextStream:
