@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the project root holds tests/ too
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import grpc_floor
 from common.model_config import load_model_config
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode
@@ -37,7 +38,7 @@ from coordinator.local_engine import open_local_engine, resolve_model
 from coordinator.remote_pipeline import forward_request
 from coordinator.results import result_record
 from coordinator.worker_link import WorkerLink
-from tests.cluster_harness import Proc, spawn
+from tests.cluster_harness import Proc, gpu_env, spawn
 
 now = time.perf_counter
 PAYLOADS = (16 * 1024, 256 * 1024, 4 * 1024 * 1024)
@@ -163,7 +164,9 @@ def write_random_qwen3(out: Path, layers: int, hidden: int, layers_per_shard: in
 
 
 # ---- processes ------------------------------------------------------------------------------
-def start_workers(model: Path, cluster: str, ranges: list[str]) -> list[tuple[Proc, str]]:
+def start_workers(
+    model: Path, cluster: str, ranges: list[str], gpus: int = 0
+) -> list[tuple[Proc, str]]:
     procs = [
         spawn(
             "shard_worker.cli",
@@ -178,8 +181,9 @@ def start_workers(model: Path, cluster: str, ranges: list[str]) -> list[tuple[Pr
             "--cluster",
             cluster,
             "--no-bonjour",
+            env=gpu_env(i, gpus),
         )
-        for r in ranges
+        for i, r in enumerate(ranges)
     ]
     out = []
     for p in procs:
@@ -223,6 +227,8 @@ def bench_hops(model: Path, repeats: int, warmup: int) -> dict:
             link.info()
             pings.append(now() - t0)
         results["unary_info_ms_median"] = statistics.median(pings[50:]) * 1e3
+        # grpcio's own floor: a raw-bytes stream echo between two processes, same sizes
+        floor = grpc_floor.measure(list(PAYLOADS), repeats)
         for k, nbytes in enumerate(PAYLOADS):
             b, t = payload_shape(nbytes, config.hidden_size)
             x = (mx.random.normal((b, t, config.hidden_size)) * 0.5).astype(mx.bfloat16)
@@ -270,6 +276,8 @@ def bench_hops(model: Path, repeats: int, warmup: int) -> dict:
                 "send_to_reply_minus_compute_ms_median": ms(wire),
                 "decode_ms_median": ms(dec),
                 "worker_queue_ms_median": ms(queue_s),
+                "grpc_stream_echo_ms_median": floor[str(nbytes)],
+                "overhead_beyond_echo_ms_median": ms(over) - floor[str(nbytes)],
             }
             link.release(seq_ids)
         results["worker_device"] = info.device
@@ -282,10 +290,10 @@ def bench_hops(model: Path, repeats: int, warmup: int) -> dict:
 
 # ---- (2) decode step: N workers vs the single-process engine -------------------------------
 class Cluster:
-    def __init__(self, model: Path, n: int, layers: int) -> None:
+    def __init__(self, model: Path, n: int, layers: int, gpus: int = 0) -> None:
         name = f"bench-{secrets.token_hex(3)}"
         self.ranges = even_ranges(layers, n)
-        self.workers = start_workers(model, name, self.ranges)
+        self.workers = start_workers(model, name, self.ranges, gpus)
         args = [
             "coordinator.server_cli",
             "serve",
@@ -344,7 +352,13 @@ def step_record(out: dict, n_tokens: int) -> dict:
 
 
 def bench_decode(
-    model: Path, workers: list[int], repeats: int, n_tokens: int, deadline: float, partial
+    model: Path,
+    workers: list[int],
+    repeats: int,
+    n_tokens: int,
+    deadline: float,
+    partial,
+    gpus: int = 0,
 ) -> dict:
     local = open_local_engine(model)
     layers = local.engine.config.num_layers
@@ -359,7 +373,7 @@ def bench_decode(
             out["phases"][str(n)] = {"skipped": "time budget spent"}
             continue
         t_start = now()
-        cluster = Cluster(model, n, layers)
+        cluster = Cluster(model, n, layers, gpus)
         startup_s = now() - t_start
         runs: dict[str, dict[str, list[dict]]] = {m: {"single": [], "cluster": []} for m in modes}
         tokens_equal = {m: True for m in modes}
@@ -471,6 +485,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     ap.add_argument("--skip-hops", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument(
+        "--gpus", type=int, default=0, help="put worker i on GPU i %% N (CUDA_VISIBLE_DEVICES)"
+    )
     args = ap.parse_args()
     t0 = now()
     deadline = t0 + args.time_budget if args.time_budget else float("inf")
@@ -491,7 +508,8 @@ def main() -> None:
         "device": f"{mx.default_device()} {dev}".strip(),
         "mlx": mx.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "note": "all processes on one host (one device shared by every worker)",
+        "note": "all processes on one host; "
+        + (f"worker i on GPU i % {args.gpus}" if args.gpus else "one device shared by all"),
         "setup_s": now() - t0,
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -505,7 +523,7 @@ def main() -> None:
     if not args.skip_decode:
         workers = [int(w) for w in args.workers.split(",")]
         result["decode"] = bench_decode(
-            model, workers, args.repeats, args.tokens, deadline, partial
+            model, workers, args.repeats, args.tokens, deadline, partial, args.gpus
         )
     summary = {}
     if "hops" in result:

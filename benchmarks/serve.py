@@ -33,7 +33,7 @@ from common.model_config import load_model_config
 from coordinator.cluster_client import ClusterError, WedlmClient
 from coordinator.generation_params import GenerationParams
 from coordinator.local_engine import resolve_model
-from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker
+from tests.cluster_harness import Proc, cluster_name, gpu_env, start_coordinator, start_worker
 
 COUNTING = ("Count from 1 to 100: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",)  # where the weak model works
 TARGETS = {"c16_over_c1": 6.0, "ar_over_mlxlm_min": 1.0, "pipeline_p_over_1": 1.3}
@@ -82,15 +82,16 @@ def even_ranges(layers: int, n: int) -> list[str]:
 class Cluster:
     """N workers with fixed even layer ranges; the coordinator can be restarted."""
 
-    def __init__(self, model: Path, workers: int, max_running: int) -> None:
+    def __init__(self, model: Path, workers: int, max_running: int, gpus: int = 0) -> None:
         self.model, self.max_running = model, max_running
         self.name = cluster_name()
         ranges = even_ranges(load_model_config(model).num_layers, workers)
         self.coordinator: Proc | None = None
         self.workers: list[tuple[Proc, str]] = []
         with ThreadPoolExecutor(workers) as pool:  # they load in parallel
-            starts = [pool.submit(start_worker, model, self.name, "--layers", r, "--no-bonjour")
-                      for r in ranges]  # fmt: skip
+            starts = [pool.submit(start_worker, model, self.name, "--layers", r, "--no-bonjour",
+                                  env=gpu_env(i, gpus))
+                      for i, r in enumerate(ranges)]  # fmt: skip
         try:
             self.workers = [f.result() for f in starts]
         except BaseException:
@@ -204,7 +205,7 @@ def run_cluster_phases(result: dict, model: Path, args) -> None:
     micro-batches in flight, restarting the coordinator between them (the workers stay)."""
     levels, top = sorted(args.concurrency), max(args.concurrency)
     params = GenerationParams(mode=args.mode, max_tokens=args.max_tokens)
-    cluster = Cluster(model, args.workers, top)
+    cluster = Cluster(model, args.workers, top, args.gpus)
     try:
         if "sweep" in args.phases:
             result["sweep"] = sweep(cluster.start_coordinator(), levels, PROMPTS, params, args)
@@ -264,6 +265,7 @@ def main() -> None:
     ap.add_argument("--layers-override", type=int, help="random-qwen3-8b: layers (36)")
     ap.add_argument("--hidden-override", type=int, help="random-qwen3-8b: hidden size (4096)")
     ap.add_argument("--ckpt-dir", type=Path, help="random-qwen3-8b: where to write it")
+    ap.add_argument("--gpus", type=int, default=0, help="put worker i on GPU i %% N")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     args = ap.parse_args()
     if args.requests:

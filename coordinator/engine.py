@@ -140,8 +140,8 @@ class Engine:
             self.undelivered += commits
             raise
         done = self.scheduler.reap({p.seq.seq_id for f in self.in_flight for p in f.plans})
-        if done:
-            self.pipeline.release([s.seq_id for s in done])
+        if done:  # their ids are never used again: the workers may drop them at leisure
+            self.pipeline.release([s.seq_id for s in done], wait=False)
         return commits
 
     def _launch(self, unit: int, plans: list[RowPlan]) -> None:
@@ -158,8 +158,8 @@ class Engine:
         base = (1 << 62) + (unit + 1) * 4096
         ids = {base + i for i in range(pad)}
         stale = self._padding.get(unit, set()) - ids
-        if stale:
-            self.pipeline.release(sorted(stale))
+        if stale:  # a reused padding id starts at 0 and keeps nothing: order is irrelevant
+            self.pipeline.release(sorted(stale), wait=False)
         self._padding[unit] = ids
         return sorted(ids)
 

@@ -21,8 +21,9 @@ class Pipeline(Protocol):
     def collect(self) -> tuple[int, mx.array]:
         """The oldest submitted micro-batch's id and final hidden states (blocks)."""
 
-    def release(self, seq_ids: list[int]) -> None:
-        """Forget these sequences' KV everywhere."""
+    def release(self, seq_ids: list[int], wait: bool = True) -> None:
+        """Forget these sequences' KV everywhere. `wait=False` may return before the
+        workers have done it: only for ids that no later forward will use again."""
 
 
 class LocalPipeline:
@@ -41,5 +42,5 @@ class LocalPipeline:
     def collect(self) -> tuple[int, mx.array]:
         return self._done.popleft()
 
-    def release(self, seq_ids: list[int]) -> None:
+    def release(self, seq_ids: list[int], wait: bool = True) -> None:
         self.runner.release(seq_ids)

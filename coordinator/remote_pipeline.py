@@ -89,9 +89,14 @@ class RemotePipeline:
         self.submit(batch_id, spec, hidden)
         return self.collect()[1]
 
-    def release(self, seq_ids: list[int]) -> None:
-        """Best effort: a worker that cannot be reached holds nothing we will reuse."""
+    def release(self, seq_ids: list[int], wait: bool = True) -> None:
+        """Best effort: a worker that cannot be reached holds nothing we will reuse.
+        Without `wait` the calls go out and the engine thread moves on (a finished
+        sequence's id is never used again, so nothing depends on when they land)."""
         for link in self.links:
+            if not wait:
+                link.release_soon(seq_ids)
+                continue
             try:
                 link.release(seq_ids)
             except WorkerCallError as e:

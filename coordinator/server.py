@@ -64,7 +64,7 @@ class _NotReady:
     def collect(self):
         raise WedlmError("no workers are planned yet")
 
-    def release(self, seq_ids):
+    def release(self, seq_ids, wait=True):
         pass
 
 

@@ -3,6 +3,7 @@ as they are sent, replies come back in order) plus unary calls, each with a dead
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -17,6 +18,7 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, open_channel
 
+log = logging.getLogger(__name__)
 MESSAGE_LIMIT = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MESSAGE_LIMIT),
@@ -100,6 +102,19 @@ class WorkerLink:
 
     def release(self, seq_ids: list[int]) -> pb.ReleaseReply:
         return self._unary("Release", pb.ReleaseRequest(seq_ids=seq_ids))
+
+    def release_soon(self, seq_ids: list[int]) -> None:
+        """Release without waiting for the reply; a failure is only logged."""
+        call = self.stub.Release.future(
+            pb.ReleaseRequest(seq_ids=seq_ids), metadata=self._md("Release"),
+            timeout=self.deadline_s,
+        )  # fmt: skip
+        call.add_done_callback(self._log_release_failure)
+
+    def _log_release_failure(self, call) -> None:
+        if call.code() is not grpc.StatusCode.OK:
+            log.warning("release on %s failed: %s %s", self.address, call.code().name,
+                        call.details())  # fmt: skip
 
     # ---- the forward stream ------------------------------------------------------------
     def _open_stream(self) -> None:

@@ -15,7 +15,7 @@ from common.model_config import ModelConfig
 from common.model_parts import load_model_parts
 from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
-from common.tensor_codec import decode, encode
+from common.tensor_codec import decode, pack, wire_form
 from shard_worker.layer_sizes import (
     DTYPE_NAMES,
     compute_dtype,
@@ -75,9 +75,10 @@ class HeldLayers:
         wire_dtype = x.dtype
         start = time.perf_counter()
         out = runner.forward(spec, x.astype(self._run_dtype))
-        mx.eval(out)
+        wire, raw = wire_form(out.astype(wire_dtype))
+        mx.eval(raw)  # the layers and the wire cast in one evaluation
         compute_s = time.perf_counter() - start
-        reply = encode(out.astype(wire_dtype))
+        reply = pack(wire, raw)
         self._refresh_kv()
         return reply, compute_s
 

@@ -74,7 +74,9 @@ def spawn(module: str, *args: str, env: dict[str, str] | None = None) -> Proc:
     return proc
 
 
-def start_worker(model: Path, cluster: str, *extra: str) -> tuple[Proc, str]:
+def start_worker(
+    model: Path, cluster: str, *extra: str, env: dict[str, str] | None = None
+) -> tuple[Proc, str]:
     proc = spawn(
         "shard_worker.cli",
         "--model",
@@ -86,9 +88,15 @@ def start_worker(model: Path, cluster: str, *extra: str) -> tuple[Proc, str]:
         "--cluster",
         cluster,
         *extra,
+        env=env,
     )
     m = proc.expect(r"listening on (127\.0\.0\.1:\d+)")
     return proc, m.group(1)
+
+
+def gpu_env(index: int, gpus: int) -> dict[str, str] | None:
+    """Worker `index` on its own GPU (round robin over `gpus`); 0 = leave the placement."""
+    return {"CUDA_VISIBLE_DEVICES": str(index % gpus)} if gpus > 0 else None
 
 
 def start_coordinator(model: Path, cluster: str, *extra: str) -> tuple[Proc, str]:

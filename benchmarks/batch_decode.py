@@ -1,0 +1,144 @@
+"""Batched autoregressive decode in one process: this engine versus mlx-lm's
+BatchGenerator on the same weights, B sequences decoding together (prompts of different
+lengths, so every row has its own KV length), steady state, no arrivals. Isolates the
+engine's batched step from the serving path (gRPC, worker hops, arriving prefills).
+Prints one JSON object and writes batch_decode.json to --out.
+
+  python benchmarks/batch_decode.py --model random-qwen3-8b --batch 1 16 32
+  python benchmarks/batch_decode.py --model default --batch 1 8 --tokens 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.engine import mlx_lm_model, random_qwen3
+from common.model_parts import ModelParts, load_model_parts
+from coordinator.engine import Engine
+from coordinator.generation_params import GenerationParams
+from coordinator.local_engine import resolve_model
+from coordinator.pipeline import LocalPipeline
+from coordinator.sequence import Phase
+
+SKIP = 4  # first decode steps of a run are not measured (new shapes)
+now = time.perf_counter
+
+
+def prompts_for(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    high = min(vocab, 5000)
+    return [[int(t) for t in rng.integers(high // 10, high, 24 + 5 * i)] for i in range(batch)]
+
+
+def engine_steps(engine: Engine, prompts: list[list[int]], n: int) -> dict:
+    params = GenerationParams(mode="ar", max_tokens=n, temperature=0.0)
+    seqs = [engine.submit(p, params) for p in prompts]
+    for s in seqs:
+        s.params = dataclasses.replace(s.params, extra_stop_ids=(), stop_ids=())
+    steps, forwards = [], 0
+    while engine.has_work:
+        all_decoding = all(s.phase is Phase.DECODE for s in seqs)
+        before = engine.forwards
+        start = now()
+        engine.step()
+        if all_decoding and engine.forwards > before and not any(s.finished for s in seqs):
+            steps.append(now() - start)
+        forwards += engine.forwards - before
+    assert all(len(s.output) == n for s in seqs), "every row decodes n tokens"
+    return {"step_ms": 1e3 * statistics.median(steps[SKIP:]), "steps": len(steps)}
+
+
+def mlxlm_steps(model: nn.Module, prompts: list[list[int]], n: int) -> dict:
+    from mlx_lm.generate import BatchGenerator
+
+    b = len(prompts)
+    gen = BatchGenerator(model, max_tokens=n, stop_tokens=[], completion_batch_size=b,
+                         prefill_batch_size=b)  # fmt: skip
+    gen.insert(prompts)
+    steps, counts, started = [], [], False
+    while True:
+        start = now()
+        responses = gen.next_generated()
+        dt = now() - start
+        if not responses:
+            break
+        if started and len(responses) == b and all(r.finish_reason is None for r in responses):
+            steps.append(dt)
+        started = started or len(responses) == b
+        counts.append(len(responses))
+        if all(r.finish_reason is not None for r in responses):
+            break
+    gen.close()
+    return {"step_ms": 1e3 * statistics.median(steps[SKIP:]), "steps": len(steps)}
+
+
+def bench(parts: ModelParts, mlm: nn.Module, batches: list[int], repeats: int, n: int) -> dict:
+    out = {}
+    for b in batches:
+        engine = Engine(parts, LocalPipeline(parts), b)
+        prompts = prompts_for(b, parts.config.vocab_size)
+        runs: dict[str, list[float]] = {"engine": [], "mlxlm": []}
+        for r in range(repeats + 1):  # A B A B ...; round 0 warms up
+            e = engine_steps(engine, prompts, n)
+            m = mlxlm_steps(mlm, prompts, n)
+            if r:
+                runs["engine"].append(e["step_ms"])
+                runs["mlxlm"].append(m["step_ms"])
+        eng, mlx_ = statistics.median(runs["engine"]), statistics.median(runs["mlxlm"])
+        out[str(b)] = {
+            "engine_step_ms": eng,
+            "mlxlm_step_ms": mlx_,
+            "engine_over_mlxlm_throughput": mlx_ / eng,
+            "engine_runs_ms": runs["engine"],
+            "mlxlm_runs_ms": runs["mlxlm"],
+        }
+        print(f"B={b}: engine {eng:.2f} ms, mlx-lm {mlx_:.2f} ms per step", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--layers", type=int, default=36, help="random-qwen3-8b only")
+    ap.add_argument("--hidden", type=int, default=4096, help="random-qwen3-8b only")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    args = ap.parse_args()
+    if args.model == "random-qwen3-8b":
+        parts, mlm = random_qwen3(args.layers, args.hidden)
+        name = f"random-qwen3-8b(layers={args.layers},hidden={args.hidden})"
+    else:
+        parts = load_model_parts(resolve_model(args.model))
+        mlm, name = mlx_lm_model(parts), args.model
+    result = {
+        "model": name,
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "batches": bench(parts, mlm, args.batch, args.repeats, args.tokens),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "batch_decode.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
