@@ -150,9 +150,16 @@ def load_model_parts(
     return parts
 
 
+LAUNCH_EVERY = 6  # layers per launched chunk of a forward's graph (0: one launch at the end)
+
+
 def run_layers(parts: ModelParts, hidden: mx.array, kv: KVRows, windows: np.ndarray) -> mx.array:
     """Run `hidden` [rows, T, H] through this process's layers at the rows' current lengths."""
     mask = kv.begin(windows)
-    for layer, cache in zip(parts.layers, kv.layers, strict=True):
+    for i, (layer, cache) in enumerate(zip(parts.layers, kv.layers, strict=True), 1):
         hidden = layer(hidden, mask, cache=cache)
+        if LAUNCH_EVERY and i % LAUNCH_EVERY == 0 and i < len(parts.layers):
+            # Start the device on the layers built so far: the host builds the rest of
+            # the graph while they run, instead of the device waiting for all of it.
+            mx.async_eval(hidden)
     return hidden
