@@ -27,6 +27,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.engine import mlx_lm_model, random_qwen3
+from common import model_parts
 from common.model_parts import ModelParts, load_model_parts
 from coordinator.engine import Engine
 from coordinator.generation_params import GenerationParams
@@ -34,6 +35,7 @@ from coordinator.local_engine import resolve_model
 from coordinator.pipeline import LocalPipeline
 from coordinator.sequence import Phase
 
+DEFAULT_CHUNK = model_parts.LAUNCH_EVERY
 SKIP = 4  # first decode steps of a run are not measured (new shapes)
 now = time.perf_counter
 
@@ -86,27 +88,33 @@ def mlxlm_steps(model: nn.Module, prompts: list[list[int]], n: int) -> dict:
     return {"step_ms": 1e3 * statistics.median(steps[SKIP:]), "steps": len(steps)}
 
 
-def bench(parts: ModelParts, mlm: nn.Module, batches: list[int], repeats: int, n: int) -> dict:
+def bench(
+    parts: ModelParts, mlm: nn.Module, batches: list[int], repeats: int, n: int, chunks: list[int]
+) -> dict:
+    """Per batch size: mlx-lm, then the engine with each graph-launch chunking, rotated."""
     out = {}
     for b in batches:
         engine = Engine(parts, LocalPipeline(parts), b)
         prompts = prompts_for(b, parts.config.vocab_size)
-        runs: dict[str, list[float]] = {"engine": [], "mlxlm": []}
-        for r in range(repeats + 1):  # A B A B ...; round 0 warms up
-            e = engine_steps(engine, prompts, n)
-            m = mlxlm_steps(mlm, prompts, n)
-            if r:
-                runs["engine"].append(e["step_ms"])
-                runs["mlxlm"].append(m["step_ms"])
-        eng, mlx_ = statistics.median(runs["engine"]), statistics.median(runs["mlxlm"])
+        runs: dict[str, list[float]] = {"mlxlm": [], **{f"engine_{c}": [] for c in chunks}}
+        for r in range(repeats + 1):  # A B C A B C ...; round 0 warms up
+            for name in runs:
+                if name == "mlxlm":
+                    ms = mlxlm_steps(mlm, prompts, n)["step_ms"]
+                else:
+                    model_parts.LAUNCH_EVERY = int(name.split("_")[1])
+                    ms = engine_steps(engine, prompts, n)["step_ms"]
+                if r:
+                    runs[name].append(ms)
+        med = {k: statistics.median(v) for k, v in runs.items()}
         out[str(b)] = {
-            "engine_step_ms": eng,
-            "mlxlm_step_ms": mlx_,
-            "engine_over_mlxlm_throughput": mlx_ / eng,
-            "engine_runs_ms": runs["engine"],
-            "mlxlm_runs_ms": runs["mlxlm"],
-        }
-        print(f"B={b}: engine {eng:.2f} ms, mlx-lm {mlx_:.2f} ms per step", flush=True)
+            **{f"{k}_step_ms": v for k, v in med.items()},
+            **{f"{k}_over_mlxlm_throughput": med["mlxlm"] / v
+               for k, v in med.items() if k != "mlxlm"},
+            "runs_ms": runs,
+        }  # fmt: skip
+        print(f"B={b}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items()), flush=True)
+    model_parts.LAUNCH_EVERY = DEFAULT_CHUNK
     return out
 
 
@@ -118,6 +126,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument(
+        "--launch-every", type=int, nargs="+", default=[DEFAULT_CHUNK],
+        help="engine variants: layers per launched graph chunk (0 = one launch)",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = ap.parse_args()
     if args.model == "random-qwen3-8b":
@@ -133,7 +145,7 @@ def main() -> None:
         "tokens": args.tokens,
         "repeats": args.repeats,
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "batches": bench(parts, mlm, args.batch, args.repeats, args.tokens),
+        "batches": bench(parts, mlm, args.batch, args.repeats, args.tokens, args.launch_every),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "batch_decode.json").write_text(json.dumps(result, indent=1))

@@ -68,6 +68,7 @@ def grpc_level(address: str, c: int, prompts, params: GenerationParams, args) ->
     with ThreadPoolExecutor(c) as pool:
         list(pool.map(thread, range(c)))
     stats = summarize(recs, schedule.window)
+    stats["hops"] = hop_timings(address)
     print(f"  C={c} {params.mode}: {stats['tok_s']} tok/s, TTFT p50 {stats['ttft_ms_p50']} ms",
           file=sys.stderr)  # fmt: skip
     return stats
@@ -121,6 +122,20 @@ class Cluster:
         self.stop_coordinator()
         for proc, _ in self.workers:
             proc.stop()
+
+
+def hop_timings(address: str) -> list[dict]:
+    """Per worker, in layer order: the median layer compute and the median time from
+    sending a micro-batch to its reply, over the coordinator's last 256 forwards."""
+    with WedlmClient(address) as client:
+        status = client.cluster_status()
+    return [
+        {"address": w.address, "layers": f"{w.info.layer_start}-{w.info.layer_end}",
+         "compute_ms": round(w.timing.compute_s * 1e3, 3),
+         "roundtrip_ms": round(w.timing.roundtrip_s * 1e3, 3)}
+        for w in sorted(status.workers, key=lambda w: w.info.layer_start)
+        if w.info.has_layers
+    ]  # fmt: skip
 
 
 def sweep(address: str, levels: list[int], prompts, params: GenerationParams, args) -> dict:

@@ -145,11 +145,12 @@ class Engine:
         return commits
 
     def _launch(self, unit: int, plans: list[RowPlan]) -> None:
+        started = time.perf_counter()
         batch = build_batch(plans, padding_ids=self._padding_ids(unit, len(plans)))
         hidden = self.parts.embed(mx.array(batch.tokens))
         batch_id = next(self._batch_ids)
         self.pipeline.submit(batch_id, batch.spec, hidden)
-        self.in_flight.append(InFlight(batch_id, unit, plans, batch, time.perf_counter()))
+        self.in_flight.append(InFlight(batch_id, unit, plans, batch, started))
 
     def _padding_ids(self, unit: int, rows: int) -> list[int]:
         """Row counts are padded to buckets (bounded shapes); padding rows get ids of their
@@ -174,9 +175,8 @@ class Engine:
         ahead = self._launch_ahead(flight, tokens)
         mx.eval(fills, tokens)  # the one host sync of this micro-batch
         self.forwards += 1
-        elapsed = time.perf_counter() - flight.started
         commits = self.scheduler.postprocess(
-            flight.unit, flight.plans, np.array(fills), np.array(tokens), elapsed
+            flight.unit, flight.plans, np.array(fills), np.array(tokens), flight.started
         )
         if ahead:
             self.scheduler.busy.add(flight.unit)
@@ -203,6 +203,7 @@ class Engine:
             return False  # every row ends at this step
         if any(p.seq.kv_length + 2 > self.config.max_position_embeddings for p in plans):
             return False
+        started = time.perf_counter()
         nxt = [
             RowPlan(p.seq, np.zeros(1, np.int32), p.filled, 1, p.head_slots, p.head_is_mask)
             for p in plans
@@ -215,7 +216,7 @@ class Engine:
             ids = mx.concatenate([ids, mx.zeros((pad, 1), ids.dtype)])
         batch_id = next(self._batch_ids)
         self.pipeline.submit(batch_id, batch.spec, self.parts.embed(ids))
-        self.in_flight.append(InFlight(batch_id, flight.unit, nxt, batch, time.perf_counter()))
+        self.in_flight.append(InFlight(batch_id, flight.unit, nxt, batch, started))
         return True
 
     def _other_work(self, unit: int) -> bool:

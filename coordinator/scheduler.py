@@ -7,6 +7,7 @@ decode groups, so a long new prompt never stalls running streams."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -162,10 +163,13 @@ class Scheduler:
 
     # ---- the only place sequences change state ---------------------------------------
     def postprocess(
-        self, unit: int, plans: list[RowPlan], fills, tokens, elapsed: float
+        self, unit: int, plans: list[RowPlan], fills, tokens, started: float
     ) -> list[Commit]:
+        """`started`: when this forward's launch began (wall times are spans from the
+        first launch, so overlapping forwards are not counted twice)."""
         self.busy.discard(unit)
         commits = []
+        done_at = time.perf_counter()
         for i, plan in enumerate(plans):
             seq = plan.seq
             if seq.finished:  # cancelled while its forward was in flight
@@ -173,12 +177,14 @@ class Scheduler:
             k = plan.head_slots.size
             was_prefill = seq.phase is Phase.PREFILL
             new = apply_result(plan, fills[i, :k], tokens[i, :k])
-            if was_prefill:
-                seq.prefill_s += elapsed
-                if seq.phase is Phase.DECODE:
-                    min(self.groups, key=len).append(seq)
+            if was_prefill and seq.decode_started is None:  # the prompt, not a rebuild
+                seq.prefill_started = seq.prefill_started or started
+                seq.prefill_s = done_at - seq.prefill_started
             else:
-                seq.decode_s += elapsed
+                seq.decode_started = seq.decode_started or started
+                seq.decode_s = done_at - seq.decode_started
+            if was_prefill and seq.phase is Phase.DECODE:
+                min(self.groups, key=len).append(seq)
             if new or seq.finished:
                 commits.append(Commit(seq, new))
         return commits

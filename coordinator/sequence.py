@@ -33,8 +33,10 @@ class Sequence:
     window_filled: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     forwards: int = 0  # forwards that produced tokens for this sequence
     finish_reason: str | None = None
-    prefill_s: float = 0.0  # wall time of the ticks that prefilled this sequence
-    decode_s: float = 0.0  # wall time of the ticks that decoded it
+    prefill_s: float = 0.0  # wall time from its first prefill launch to the prompt's end
+    decode_s: float = 0.0  # wall time from its first decode launch to its last commit
+    prefill_started: float | None = None
+    decode_started: float | None = None
     text_tail: Callable[[list[int]], str] | None = field(default=None, repr=False)
 
     @property

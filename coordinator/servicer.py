@@ -136,10 +136,26 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if not context.is_active():
                     return
                 continue
+            final = None
             if item[0] == "tokens":
-                yield pb.GenerateEvent(tokens=pb.TokenChunk(ids=item[1], text=item[2] or ""))
+                # Under load several commits wait here: send them as one chunk (one
+                # message, one wake-up of this thread per client instead of one per commit).
+                ids, text = list(item[1]), [item[2] or ""]
+                while True:
+                    try:
+                        more = events.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more[0] != "tokens":
+                        final = more
+                        break
+                    ids += more[1]
+                    text.append(more[2] or "")
+                yield pb.GenerateEvent(tokens=pb.TokenChunk(ids=ids, text="".join(text)))
             else:
-                yield pb.GenerateEvent(final=final_message(item[1]))
+                final = item
+            if final is not None:
+                yield pb.GenerateEvent(final=final_message(final[1]))
                 return
 
     def Submit(self, request, context) -> pb.JobRef:
