@@ -41,6 +41,7 @@ from coordinator.worker_link import WorkerLink
 from tests.cluster_harness import Proc, gpu_env, spawn
 
 now = time.perf_counter
+GPUS_HELP = "GPUs for the workers (GPU 0 stays with the coordinator when N > workers)"
 PAYLOADS = (16 * 1024, 256 * 1024, 4 * 1024 * 1024)
 HOP_TARGET_MS = 0.5  # per-hop overhead at 256 KiB
 STEP_TARGET = 1.15  # 2 workers / single process
@@ -181,7 +182,7 @@ def start_workers(
             "--cluster",
             cluster,
             "--no-bonjour",
-            env=gpu_env(i, gpus),
+            env=gpu_env(i, gpus, len(ranges)),
         )
         for i, r in enumerate(ranges)
     ]
@@ -485,9 +486,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     ap.add_argument("--skip-hops", action="store_true")
     ap.add_argument("--skip-decode", action="store_true")
-    ap.add_argument(
-        "--gpus", type=int, default=0, help="put worker i on GPU i %% N (CUDA_VISIBLE_DEVICES)"
-    )
+    ap.add_argument("--gpus", type=int, default=0, help=GPUS_HELP)
     args = ap.parse_args()
     t0 = now()
     deadline = t0 + args.time_budget if args.time_budget else float("inf")
@@ -509,7 +508,7 @@ def main() -> None:
         "mlx": mx.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "note": "all processes on one host; "
-        + (f"worker i on GPU i % {args.gpus}" if args.gpus else "one device shared by all"),
+        + (f"workers spread over {args.gpus} GPUs" if args.gpus else "one device shared by all"),
         "setup_s": now() - t0,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.cluster import GPUS_HELP
 from benchmarks.serve_mlxlm import PROMPTS, Rec, Schedule, now, summarize, sweep_in_subprocess
 from common.model_config import load_model_config
 from coordinator.cluster_client import ClusterError, WedlmClient
@@ -91,7 +92,7 @@ class Cluster:
         self.workers: list[tuple[Proc, str]] = []
         with ThreadPoolExecutor(workers) as pool:  # they load in parallel
             starts = [pool.submit(start_worker, model, self.name, "--layers", r, "--no-bonjour",
-                                  env=gpu_env(i, gpus))
+                                  env=gpu_env(i, gpus, workers))
                       for i, r in enumerate(ranges)]  # fmt: skip
         try:
             self.workers = [f.result() for f in starts]
@@ -280,7 +281,7 @@ def main() -> None:
     ap.add_argument("--layers-override", type=int, help="random-qwen3-8b: layers (36)")
     ap.add_argument("--hidden-override", type=int, help="random-qwen3-8b: hidden size (4096)")
     ap.add_argument("--ckpt-dir", type=Path, help="random-qwen3-8b: where to write it")
-    ap.add_argument("--gpus", type=int, default=0, help="put worker i on GPU i %% N")
+    ap.add_argument("--gpus", type=int, default=0, help=GPUS_HELP)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     args = ap.parse_args()
     if args.requests:

@@ -94,9 +94,13 @@ def start_worker(
     return proc, m.group(1)
 
 
-def gpu_env(index: int, gpus: int) -> dict[str, str] | None:
-    """Worker `index` on its own GPU (round robin over `gpus`); 0 = leave the placement."""
-    return {"CUDA_VISIBLE_DEVICES": str(index % gpus)} if gpus > 0 else None
+def gpu_env(index: int, gpus: int, workers: int) -> dict[str, str] | None:
+    """Worker `index` on its own GPU: GPUs 1.. when there are more GPUs than workers (GPU 0
+    stays with the coordinator), else round robin over all of them; 0 = leave it."""
+    if gpus <= 0:
+        return None
+    gpu = index + 1 if gpus > workers else index % gpus
+    return {"CUDA_VISIBLE_DEVICES": str(gpu)}
 
 
 def start_coordinator(model: Path, cluster: str, *extra: str) -> tuple[Proc, str]:
