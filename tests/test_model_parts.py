@@ -125,3 +125,27 @@ def test_broken_checkpoints_are_refused_clearly(checkpoint_dir, tmp_path):
 
     with pytest.raises(CheckpointError, match="past the model's 2 layers"):
         load_model_parts(good, LayerRange(1, 2), with_ends=False)
+
+
+def test_chunked_graph_launches_change_nothing(checkpoint_dir, monkeypatch):
+    """Launching the layer graph in chunks (the device starts early) gives the same hidden
+    states and the same committed KV as one launch at the end."""
+    from common import model_parts
+    from common.kv_rows import KVRows
+    from common.window_mask import window_visibility
+
+    parts = load_model_parts(checkpoint_dir("qwen3", seed=5, num_hidden_layers=7))
+    tokens = mx.array([[3, 9, 27, 81, 20], [5, 6, 7, 8, 9]])
+    windows = np.stack([window_visibility(np.array([True, True, False, True, False]))] * 2)
+    outs, keys = [], []
+    for every in (0, 2, 3):
+        monkeypatch.setattr(model_parts, "LAUNCH_EVERY", every)
+        kv = KVRows(len(parts.layers), 2)
+        out = model_parts.run_layers(parts, parts.embed(tokens), kv, windows)
+        mx.eval(out)
+        outs.append(np.array(out))
+        keys.append([np.array(layer.keys) for layer in kv.layers])
+    for out, ks in zip(outs[1:], keys[1:], strict=True):
+        np.testing.assert_array_equal(out, outs[0])
+        for k, k0 in zip(ks, keys[0], strict=True):
+            np.testing.assert_array_equal(k, k0)
