@@ -76,7 +76,8 @@ class Soak:
         for k in range(self.args.workers):
             self.add_worker(f"w{k}")
             self.slots.append(f"w{k}")
-        extra = ("--expect", str(self.args.workers), "--max-running", "16", "--metrics-port", "0")
+        extra = ("--expect", str(self.args.workers), "--max-running", "16", "--metrics-port", "0",
+                 "--keep-finished", str(self.args.keep_finished))  # fmt: skip
         coord, self.address = start_coordinator(self.model, self.cluster, *extra)
         self.procs["coordinator"] = coord
         self.metrics_url = coord.expect(r"metrics on (http://\S+)").group(1)
@@ -263,6 +264,9 @@ def main() -> None:
     ap.add_argument("--kill-every", type=float, default=180.0, help="seconds")
     ap.add_argument("--restart-after", type=float, default=5.0, help="seconds")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--keep-finished", type=int, default=10_000, help="the coordinator's --keep-finished"
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ KEYS: dict[str, tuple[type, str]] = {
     "micro_batches": (int, "micro-batches in flight"),
     "metrics_port": (int, "Prometheus metrics HTTP port"),
     "kv_reserve_tokens": (int, "KV tokens reserved per worker when planning"),
+    "keep_finished": (int, "finished jobs kept for GetJob/WaitJob"),
     "wait_timeout": (float, "seconds to wait for workers"),
     "state_dir": (str, "folder keeping accepted jobs (SQLite)"),
 }

@@ -53,6 +53,7 @@ class ServeOptions:
     wait_timeout_s: float = 600.0
     recovery_timeout_s: float = 600.0  # how long to wait for workers after a loss
     kv_reserve_tokens: int = 32768
+    keep_finished: int = 10_000  # finished jobs kept (memory stays bounded by this)
     state_dir: Path | None = None  # where accepted jobs are kept (None: not kept)
     tls: TlsConfig = field(default_factory=TlsConfig)  # serves clients, dials workers
 
@@ -89,7 +90,7 @@ class CoordinatorServer:
         store = None
         if opts.state_dir is not None:
             store = JobStore(Path(opts.state_dir).expanduser() / f"jobs-{opts.cluster}.sqlite")
-        self.jobs = JobRegistry(store=store)
+        self.jobs = JobRegistry(keep_finished=opts.keep_finished, store=store)
         self.loop: EngineLoop | None = None
         self.state = "waiting-for-workers"
         self.entries: list[WorkerEntry] = []

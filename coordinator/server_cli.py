@@ -68,6 +68,12 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         help="serve Prometheus metrics on this HTTP port (0: any free port)",
     )
     p.add_argument("--kv-reserve-tokens", type=_positive, default=32768)
+    p.add_argument(
+        "--keep-finished",
+        type=_positive,
+        default=10_000,
+        help="finished jobs kept for GetJob/WaitJob (the oldest are forgotten beyond it)",
+    )
     p.add_argument("--wait-timeout", type=float, default=600.0, help="seconds to find workers")
     p.add_argument(
         "--tls-cert",
@@ -164,6 +170,7 @@ def serve_options(args: argparse.Namespace, **fixed):
         metrics_port=args.metrics_port,
         wait_timeout_s=args.wait_timeout,
         kv_reserve_tokens=args.kv_reserve_tokens,
+        keep_finished=args.keep_finished,
         tls=load_tls(args.tls_cert, args.tls_key, args.tls_ca),
     )
     return ServeOptions(**{**shared, **fixed})
