@@ -18,6 +18,7 @@ def test_example_config_loads(tmp_path, monkeypatch):
     cfg = load_serve_config("deploy/cluster.example.toml")
     assert cfg["cluster"] == "studio" and cfg["expect"] == 3 and cfg["secret"] == "s3cret"
     assert cfg["workers"][0] == "mac-studio.local:50061"
+    assert cfg["keep_finished"] == 10000
 
 
 @pytest.mark.parametrize(
@@ -26,6 +27,7 @@ def test_example_config_loads(tmp_path, monkeypatch):
         ("model = 3", "model (model folder or 'default') must be a str"),
         ("colour = 'red'", "unknown setting 'colour'"),
         ("expect = 0", "expect must be positive"),
+        ("keep_finished = -1", "keep_finished must be positive"),
         ("workers = ['nohost']", "HOST:PORT"),
         ("bonjour = 'yes'", "bonjour (find workers over Bonjour) must be a bool"),
         ("secret_file = '/nonexistent/secret'", "cannot read secret_file"),
