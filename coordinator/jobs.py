@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import heapq
 import queue
 import threading
 import time
@@ -138,7 +139,9 @@ class JobRegistry:
 
     def _trim(self) -> None:
         done = [j for j in self._jobs.values() if j.finished]
-        old = sorted(done, key=lambda j: j.created_at)[: max(0, len(done) - self._keep)]
+        excess = len(done) - self._keep
+        # usually one job over the limit: pick the oldest without sorting them all
+        old = heapq.nsmallest(excess, done, key=lambda j: j.created_at) if excess > 0 else []
         for j in old:
             del self._jobs[j.job_id]
         if old and self.store is not None:
