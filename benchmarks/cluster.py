@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import secrets
 import statistics
 import sys
 import time
@@ -30,23 +29,23 @@ if str(ROOT) not in sys.path:  # run as a script: the project root holds tests/ 
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import grpc_floor
+from benchmarks.bench_cluster import GPUS_HELP, Cluster
 from common.model_config import load_model_config
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode
+from coordinator.cluster_client import WedlmClient
 from coordinator.generation_params import GenerationParams
 from coordinator.local_engine import open_local_engine, resolve_model
 from coordinator.remote_pipeline import forward_request
 from coordinator.results import result_record
 from coordinator.worker_link import WorkerLink
-from tests.cluster_harness import Proc, gpu_env, spawn
+from tests.cluster_harness import cluster_name, start_worker
 
 now = time.perf_counter
-GPUS_HELP = "GPUs for the workers (GPU 0 stays with the coordinator when N > workers)"
 PAYLOADS = (16 * 1024, 256 * 1024, 4 * 1024 * 1024)
 HOP_TARGET_MS = 0.5  # per-hop overhead at 256 KiB
 STEP_TARGET = 1.15  # 2 workers / single process
 WINDOW = 16
-STARTUP_TIMEOUT_S = 300.0  # a 16 GB checkpoint takes a while to load
 LISTENING = r"listening on (127\.0\.0\.1:\d+)"
 
 
@@ -164,46 +163,6 @@ def write_random_qwen3(out: Path, layers: int, hidden: int, layers_per_shard: in
     return out
 
 
-# ---- processes ------------------------------------------------------------------------------
-def start_workers(
-    model: Path, cluster: str, ranges: list[str], gpus: int = 0
-) -> list[tuple[Proc, str]]:
-    procs = [
-        spawn(
-            "shard_worker.cli",
-            "--model",
-            str(model),
-            "--layers",
-            r,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--cluster",
-            cluster,
-            "--no-bonjour",
-            env=gpu_env(i, gpus, len(ranges)),
-        )
-        for i, r in enumerate(ranges)
-    ]
-    out = []
-    for p in procs:
-        try:
-            out.append(
-                (p, p.expect(r"listening on (127\.0\.0\.1:\d+)", STARTUP_TIMEOUT_S).group(1))
-            )
-        except Exception:
-            for q in procs:
-                q.stop()
-            raise
-    return out
-
-
-def even_ranges(layers: int, n: int) -> list[str]:
-    bounds = [round(i * layers / n) for i in range(n + 1)]
-    return [f"{bounds[i]}-{bounds[i + 1] - 1}" for i in range(n)]
-
-
 # ---- (1) per-hop overhead -------------------------------------------------------------------
 def payload_shape(nbytes: int, hidden: int) -> tuple[int, int]:
     rows = max(1, round(nbytes / (2 * hidden)))
@@ -216,8 +175,7 @@ def pct(values: list[float], q: float) -> float:
 
 def bench_hops(model: Path, repeats: int, warmup: int) -> dict:
     config = load_model_config(model)
-    cluster = f"bench-{secrets.token_hex(3)}"
-    [(proc, address)] = start_workers(model, cluster, ["0-0"])
+    proc, address = start_worker(model, cluster_name(), "--layers", "0-0", "--no-bonjour")
     link = WorkerLink(address, None, config.identity)
     results = {}
     try:
@@ -290,50 +248,6 @@ def bench_hops(model: Path, repeats: int, warmup: int) -> dict:
 
 
 # ---- (2) decode step: N workers vs the single-process engine -------------------------------
-class Cluster:
-    def __init__(self, model: Path, n: int, layers: int, gpus: int = 0) -> None:
-        name = f"bench-{secrets.token_hex(3)}"
-        self.ranges = even_ranges(layers, n)
-        self.workers = start_workers(model, name, self.ranges, gpus)
-        args = [
-            "coordinator.server_cli",
-            "serve",
-            "--model",
-            str(model),
-            "--port",
-            "0",
-            "--cluster",
-            name,
-            "--no-bonjour",
-            "--expect",
-            str(n),
-        ]
-        for _, address in self.workers:
-            args += ["--worker", address]
-        self.coord = spawn(*args)
-        try:
-            address = self.coord.expect(
-                r"listening on (127\.0\.0\.1:\d+)", STARTUP_TIMEOUT_S
-            ).group(1)
-            self.coord.expect(r"wedlm-coordinator serving", STARTUP_TIMEOUT_S)
-        except Exception:
-            self.stop()
-            raise
-        from coordinator.cluster_client import WedlmClient
-
-        self.client = WedlmClient(address)
-
-    def generate(self, prompt: list[int], params: GenerationParams) -> dict:
-        return self.client.generate(ids=prompt, params=params)
-
-    def stop(self) -> None:
-        if hasattr(self, "client"):
-            self.client.close()
-        self.coord.stop()
-        for p, _ in self.workers:
-            p.stop()
-
-
 def local_generate(engine, prompt: list[int], params: GenerationParams) -> dict:
     seq = engine.submit(prompt, params)
     for _ in engine.stream([seq]):
@@ -362,8 +276,9 @@ def bench_decode(
     gpus: int = 0,
 ) -> dict:
     local = open_local_engine(model)
-    layers = local.engine.config.num_layers
-    prompt = [int(t) for t in np.random.default_rng(1).integers(100, 5000, 32)]
+    vocab = local.engine.config.vocab_size  # ids 100..4999, within a tiny model's vocabulary
+    ids = np.random.default_rng(1).integers(min(100, vocab // 10), min(vocab, 5000), 32)
+    prompt = [int(t) for t in ids]
     modes = {
         m: GenerationParams(mode=m, window=WINDOW, max_tokens=n_tokens, temperature=0.0)
         for m in ("ar", "wedlm")
@@ -374,22 +289,26 @@ def bench_decode(
             out["phases"][str(n)] = {"skipped": "time budget spent"}
             continue
         t_start = now()
-        cluster = Cluster(model, n, layers, gpus)
-        startup_s = now() - t_start
+        cluster = Cluster(model, n, gpus=gpus)
         runs: dict[str, dict[str, list[dict]]] = {m: {"single": [], "cluster": []} for m in modes}
         tokens_equal = {m: True for m in modes}
+        client = None
         try:
+            client = WedlmClient(cluster.start_coordinator())
+            startup_s = now() - t_start
             for r in range(repeats + 1):  # round 0 warms up (and compiles) both sides
                 if r > 1 and now() > deadline:
                     break
                 for m, params in modes.items():
                     a = local_generate(local.engine, prompt, params)  # A
-                    b = cluster.generate(prompt, params)  # B
+                    b = client.generate(ids=prompt, params=params)  # B
                     tokens_equal[m] &= a["tokens"] == b["tokens"]
                     if r:
                         runs[m]["single"].append(step_record(a, n_tokens))
                         runs[m]["cluster"].append(step_record(b, n_tokens))
         finally:
+            if client is not None:
+                client.close()
             cluster.stop()
         phase = {"ranges": cluster.ranges, "startup_s": startup_s, "repeats_done": 0}
         for m in modes:

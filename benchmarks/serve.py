@@ -28,13 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cluster import GPUS_HELP
+from benchmarks.bench_cluster import GPUS_HELP, Cluster
 from benchmarks.serve_mlxlm import PROMPTS, Rec, Schedule, now, summarize, sweep_in_subprocess
-from common.model_config import load_model_config
 from coordinator.cluster_client import ClusterError, WedlmClient
 from coordinator.generation_params import GenerationParams
 from coordinator.local_engine import resolve_model
-from tests.cluster_harness import Proc, cluster_name, gpu_env, start_coordinator, start_worker
 
 COUNTING = ("Count from 1 to 100: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",)  # where the weak model works
 TARGETS = {"c16_over_c1": 6.0, "ar_over_mlxlm_min": 1.0, "pipeline_p_over_1": 1.3}
@@ -75,54 +73,7 @@ def grpc_level(address: str, c: int, prompts, params: GenerationParams, args) ->
     return stats
 
 
-# ---- a local cluster -----------------------------------------------------------------------
-def even_ranges(layers: int, n: int) -> list[str]:
-    cuts = [round(i * layers / n) for i in range(n + 1)]
-    return [f"{a}-{b - 1}" for a, b in itertools.pairwise(cuts)]
-
-
-class Cluster:
-    """N workers with fixed even layer ranges; the coordinator can be restarted."""
-
-    def __init__(self, model: Path, workers: int, max_running: int, gpus: int = 0) -> None:
-        self.model, self.max_running = model, max_running
-        self.name = cluster_name()
-        ranges = even_ranges(load_model_config(model).num_layers, workers)
-        self.coordinator: Proc | None = None
-        self.workers: list[tuple[Proc, str]] = []
-        with ThreadPoolExecutor(workers) as pool:  # they load in parallel
-            starts = [pool.submit(start_worker, model, self.name, "--layers", r, "--no-bonjour",
-                                  env=gpu_env(i, gpus, workers))
-                      for i, r in enumerate(ranges)]  # fmt: skip
-        try:
-            self.workers = [f.result() for f in starts]
-        except BaseException:
-            for f in starts:
-                if f.exception() is None:
-                    f.result()[0].stop()
-            raise
-
-    def start_coordinator(self, micro_batches: int | None = None) -> str:
-        self.stop_coordinator()
-        extra = ["--no-bonjour", "--expect", str(len(self.workers))]
-        for _, address in self.workers:
-            extra += ["--worker", address]
-        extra += ["--max-running", str(self.max_running), "--max-queued", str(4 * self.max_running)]
-        if micro_batches:
-            extra += ["--micro-batches", str(micro_batches)]
-        self.coordinator, address = start_coordinator(self.model, self.name, *extra)
-        self.coordinator.expect(r"wedlm-coordinator serving", timeout=600)
-        return address
-
-    def stop_coordinator(self) -> None:
-        if self.coordinator is not None:
-            self.coordinator.stop()
-            self.coordinator = None
-
-    def stop(self) -> None:
-        self.stop_coordinator()
-        for proc, _ in self.workers:
-            proc.stop()
+# ---- what the coordinator reports -------------------------------------------------------
 
 
 def hop_timings(address: str) -> list[dict]:
@@ -221,7 +172,7 @@ def run_cluster_phases(result: dict, model: Path, args) -> None:
     micro-batches in flight, restarting the coordinator between them (the workers stay)."""
     levels, top = sorted(args.concurrency), max(args.concurrency)
     params = GenerationParams(mode=args.mode, max_tokens=args.max_tokens)
-    cluster = Cluster(model, args.workers, top, args.gpus)
+    cluster = Cluster(model, args.workers, top, gpus=args.gpus)
     try:
         if "sweep" in args.phases:
             result["sweep"] = sweep(cluster.start_coordinator(), levels, PROMPTS, params, args)
