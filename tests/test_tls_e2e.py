@@ -18,76 +18,30 @@ def openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
 
+def self_signed(d, stem: str, cn: str, *extra: str) -> None:
+    """{stem}.key and a self-signed {stem}.pem for CN=cn."""
+    openssl(
+        "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={cn}",
+        "-keyout", str(d / f"{stem}.key"), "-out", str(d / f"{stem}.pem"), *extra,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    """A CA and two certificates for 127.0.0.1 (server side and client side)."""
+    """A CA, a certificate it signed for 127.0.0.1 (node), and a self-signed one (other)."""
     d = tmp_path_factory.mktemp("pki")
+    self_signed(d, "ca", "wedlm test CA")
+    self_signed(d, "other", "other", "-addext", "subjectAltName=IP:127.0.0.1")  # not our CA's
     openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=wedlm test CA",
-        "-keyout",
-        str(d / "ca.key"),
-        "-out",
-        str(d / "ca.pem"),
-    )
-    for name in ("node", "other"):
-        openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            f"/CN={name}",
-            "-keyout",
-            str(d / f"{name}.key"),
-            "-out",
-            str(d / f"{name}.csr"),
-        )
-        (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-        ca = "ca" if name == "node" else name  # "other" is self-signed: not from our CA
-        if name == "other":
-            openssl(
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-days",
-                "2",
-                "-subj",
-                "/CN=other",
-                "-keyout",
-                str(d / "other.key"),
-                "-out",
-                str(d / "other.pem"),
-                "-addext",
-                "subjectAltName=IP:127.0.0.1",
-            )
-            continue
-        openssl(
-            "x509",
-            "-req",
-            "-in",
-            str(d / f"{name}.csr"),
-            "-CA",
-            str(d / f"{ca}.pem"),
-            "-CAkey",
-            str(d / f"{ca}.key"),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            str(d / "san.ext"),
-            "-out",
-            str(d / f"{name}.pem"),
-        )
+        "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=node",
+        "-keyout", str(d / "node.key"), "-out", str(d / "node.csr"),
+    )  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl(
+        "x509", "-req", "-in", str(d / "node.csr"), "-CA", str(d / "ca.pem"),
+        "-CAkey", str(d / "ca.key"), "-CAcreateserial", "-days", "2",
+        "-extfile", str(d / "san.ext"), "-out", str(d / "node.pem"),
+    )  # fmt: skip
     return d
 
 
