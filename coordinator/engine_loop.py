@@ -46,7 +46,7 @@ class EngineLoop(threading.Thread):
         self.metrics = metrics or Metrics()
         self.inbox: queue.Queue = queue.Queue()
         self._live: dict[int, _Live] = {}
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self.ticks = 0
         self.last_progress = time.monotonic()
 
@@ -58,14 +58,14 @@ class EngineLoop(threading.Thread):
         self.inbox.put(("cancel", job, reason))
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self.inbox.put(("stop", None))
 
     # ---- the engine thread ---------------------------------------------------------
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             self._drain(block=not self.engine.has_work)
-            if self._stop.is_set():
+            if self._stopping.is_set():
                 break
             self._expire()
             if self.engine.has_work:

@@ -22,13 +22,13 @@ class Heartbeat(threading.Thread):
         self.get_pipeline = get_pipeline  # the current RemotePipeline, or None
         self.period_s, self.timeout_s, self.misses = period_s, timeout_s, misses
         self._missed: dict[str, int] = {}
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
 
     def run(self) -> None:
-        while not self._stop.wait(self.period_s):
+        while not self._stopping.wait(self.period_s):
             pipeline = self.get_pipeline()
             if pipeline is None or getattr(pipeline, "broken", None) is not None:
                 continue

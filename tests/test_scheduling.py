@@ -191,3 +191,19 @@ def test_commits_of_a_failed_step_are_not_lost(model):
         delivered |= {c.seq.seq_id for c in commits if c.seq.finished}
     assert failed_once, "the failure was never triggered"
     assert delivered == {s.seq_id for s in seqs}
+
+
+def test_engine_loop_and_heartbeat_stop_and_join(model):
+    """The service threads stop on request and can be joined (their stop events must not
+    shadow threading.Thread internals)."""
+    from coordinator.engine_loop import EngineLoop
+    from coordinator.heartbeat import Heartbeat
+
+    local = open_local_engine(model)
+    threads = [EngineLoop(local.engine, local.tokenizer), Heartbeat(lambda: None, period_s=0.05)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.stop()
+        t.join(5)
+        assert not t.is_alive()
