@@ -83,10 +83,19 @@ def mlx_lm_model(parts: ModelParts) -> nn.Module:
     return full
 
 
-def window_forward(parts: ModelParts, kv: KVRows, tokens: np.ndarray, windows: np.ndarray):
-    """embed → layers through KVRows (no commit) → head on the last row."""
+def window_forward(
+    parts: ModelParts,
+    kv: KVRows,
+    tokens: np.ndarray,
+    windows: np.ndarray,
+    head_slots: np.ndarray | None = None,
+):
+    """embed → layers through KVRows (no commit) → head on the last row, or on the rows
+    `head_slots` names (the logits a decode step needs)."""
     hidden = run_layers(parts, parts.embed(mx.array(tokens)), kv, windows)
-    return parts.head(hidden[:, -1:, :])
+    if head_slots is None:
+        return parts.head(hidden[:, -1:, :])
+    return parts.head(hidden[:, mx.array(head_slots), :])
 
 
 def wedlm_filled(t: int) -> np.ndarray:
@@ -169,7 +178,8 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
         return wrapper
 
     engine._complete, engine.pipeline.submit = timed("run", run), timed("graph", fwd)
-    steps, bares, widths, split = [], [], [], {"host": [], "graph": [], "rest": []}
+    steps, bares, with_logits, widths = [], [], [], []
+    split: dict[str, list[float]] = {"host": [], "graph": [], "rest": []}
     t_first = None
     try:
         while not seq.finished:
@@ -181,6 +191,10 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
                 kv = engine.pipeline.runner.store.rows_for([seq.seq_id])  # this seq's KV
                 mx.eval(window_forward(parts, kv, plan.tokens[None], win))
                 bare_t = now() - start
+                # the same forward with the head on every row the step takes logits of
+                start = now()
+                mx.eval(window_forward(parts, kv, plan.tokens[None], win, plan.head_slots))
+                logits_t = now() - start
             prof.update(run=0.0, graph=0.0)
             start = now()
             engine.step()
@@ -193,6 +207,7 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
                 split["rest"].append(prof["run"] - prof["graph"])
                 if bare:
                     bares.append(bare_t)
+                    with_logits.append(logits_t)
             if t_first is None and seq.output:
                 t_first = now()
     finally:
@@ -213,6 +228,11 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
     else:
         out["bare_forward_s"] = statistics.median(bares)
         out["step_overhead"] = statistics.median(s / b for s, b in zip(steps, bares, strict=True))
+        # selection, sampling, commit and sync only: the forward pays for the step's logits
+        out["forward_with_logits_s"] = statistics.median(with_logits)
+        out["step_overhead_vs_logits"] = statistics.median(
+            s / b for s, b in zip(steps, with_logits, strict=True)
+        )
     return out
 
 
@@ -337,6 +357,7 @@ def main() -> None:
             dec["engine_wedlm"]["step_s"] - fwd["head"][WINDOW] + fwd["head"][1]
         )
         / dec["engine_wedlm"]["bare_forward_s"],
+        "wedlm_step_overhead_vs_logits": dec["engine_wedlm"]["step_overhead_vs_logits"],
         "ar_step_overhead": dec["engine_ar_bare"]["step_overhead"],
         "ratio_16p_T17": result["ratio_16p"]["17"],
     }
