@@ -10,6 +10,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from common.proto_gen import wedlm_pb2 as pb
+from common.wire_frames import serialize
 
 _FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -61,12 +62,11 @@ def add_service(server: grpc.Server, servicer: object, name: str) -> None:
     handlers = {}
     for m in service.methods:
         request_cls = getattr(pb, m.input_type.name)
-        reply_cls = getattr(pb, m.output_type.name)
         factory = _FACTORIES[(m.client_streaming, m.server_streaming)]
         handlers[m.name] = factory(
             _guard(getattr(servicer, m.name), m.client_streaming),
             request_deserializer=_lenient(request_cls),
-            response_serializer=reply_cls.SerializeToString,
+            response_serializer=serialize,  # messages, or bytes already serialized
         )
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)

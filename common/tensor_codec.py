@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.proto_gen import wedlm_pb2 as pb
+from common.wire_frames import TensorFrame
 
 _TO_WIRE = {
     mx.float32: (pb.DTYPE_FLOAT32, np.float32, None),
@@ -42,6 +43,16 @@ def encode(array: mx.array) -> pb.Tensor:
     return pack(*wire_form(array))
 
 
+def frame(wire: int, raw: mx.array) -> TensorFrame:
+    """Like pack(), for a message framed by hand: the bytes are read from the array's own
+    buffer when the message is put together, with no intermediate copies."""
+    return TensorFrame.of_array(wire, np.array(raw, copy=False))
+
+
+def encode_frame(array: mx.array) -> TensorFrame:
+    return frame(*wire_form(array))
+
+
 def decode(tensor: pb.Tensor) -> mx.array:
     if tensor.dtype not in _FROM_WIRE:
         raise TensorFormatError(f"unknown tensor dtype {tensor.dtype}")
@@ -53,11 +64,12 @@ def decode(tensor: pb.Tensor) -> mx.array:
     if count > MAX_ELEMENTS:
         raise TensorFormatError(f"tensor of shape {shape} is too large")
     itemsize = np.dtype(np_dtype).itemsize
-    if len(tensor.data) != count * itemsize:
+    data = tensor.data  # each access to a bytes field copies it: read it once
+    if len(data) != count * itemsize:
         raise TensorFormatError(
             f"tensor of shape {shape} and dtype {mx_dtype} needs {count * itemsize} bytes, "
-            f"got {len(tensor.data)}"
+            f"got {len(data)}"
         )
-    host = np.frombuffer(tensor.data, dtype=np_dtype).reshape(shape)
+    host = np.frombuffer(data, dtype=np_dtype).reshape(shape)
     array = mx.array(host)
     return array.view(mx_dtype) if view is not None else array

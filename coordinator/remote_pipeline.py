@@ -16,14 +16,16 @@ import numpy as np
 
 from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
-from common.tensor_codec import decode, encode
+from common.tensor_codec import decode, encode_frame
+from common.wire_frames import TensorFrame, with_tensor
 from coordinator.worker_link import WorkerCallError, WorkerLink
 
 log = logging.getLogger(__name__)
 
 
-def forward_request(batch_id: int, spec: RowsSpec, hidden: pb.Tensor) -> pb.ForwardRequest:
-    return pb.ForwardRequest(
+def forward_request(batch_id: int, spec: RowsSpec, hidden: pb.Tensor | TensorFrame) -> bytes:
+    """A serialized ForwardRequest; the hidden states are framed by hand (one copy)."""
+    header = pb.ForwardRequest(
         batch_id=batch_id,
         seq_ids=spec.seq_ids,
         committed=spec.starts.tolist(),
@@ -31,8 +33,9 @@ def forward_request(batch_id: int, spec: RowsSpec, hidden: pb.Tensor) -> pb.Forw
         keep=spec.keeps.tolist(),
         filled=np.ascontiguousarray(spec.filled, dtype=np.uint8).tobytes(),
         positions=spec.starts.tolist(),
-        hidden=hidden,
     )
+    frame = hidden if isinstance(hidden, TensorFrame) else TensorFrame.of(hidden)
+    return with_tensor(header, "hidden", frame)
 
 
 class RemotePipeline:
@@ -65,7 +68,7 @@ class RemotePipeline:
             raise self.broken
         with self._lock:
             self._specs[batch_id] = spec
-        self.links[0].send(forward_request(batch_id, spec, encode(hidden)))
+        self.links[0].send(forward_request(batch_id, spec, encode_frame(hidden)))
 
     def collect(self) -> tuple[int, mx.array]:
         try:

@@ -17,6 +17,7 @@ from common.call_auth import call_metadata
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, open_channel
+from common.wire_frames import serialize
 
 log = logging.getLogger(__name__)
 MESSAGE_LIMIT = 256 * 1024 * 1024
@@ -124,7 +125,14 @@ class WorkerLink:
             while (item := outbox.get()) is not _CLOSE:
                 yield item
 
-        replies = self.stub.Forward(requests(), metadata=self._md("Forward"))
+        # Requests arrive serialized (hidden states framed by hand): passed through as is.
+        forward = self.channel.stream_stream(
+            "/wedlm.v1.Worker/Forward",
+            request_serializer=serialize,
+            response_deserializer=pb.ForwardReply.FromString,
+            _registered_method=True,  # as the generated stubs register their methods
+        )
+        replies = forward(requests(), metadata=self._md("Forward"))
         self._stream = replies
         threading.Thread(target=self._read, args=(replies,), daemon=True).start()
         self._outbox = outbox
@@ -149,7 +157,7 @@ class WorkerLink:
         else:
             self._replies.put(item)
 
-    def send(self, request: pb.ForwardRequest) -> None:
+    def send(self, request: pb.ForwardRequest | bytes) -> None:
         with self._lock:
             if self._outbox is None:
                 self._open_stream()

@@ -15,7 +15,8 @@ from common.model_config import ModelConfig
 from common.model_parts import load_model_parts
 from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
-from common.tensor_codec import decode, pack, wire_form
+from common.tensor_codec import decode, frame, wire_form
+from common.wire_frames import TensorFrame
 from shard_worker.layer_sizes import (
     DTYPE_NAMES,
     compute_dtype,
@@ -62,7 +63,7 @@ class HeldLayers:
         self.state = self._describe()
         return self.state
 
-    def forward(self, spec: RowsSpec, hidden: pb.Tensor) -> tuple[pb.Tensor, float]:
+    def forward(self, spec: RowsSpec, hidden: pb.Tensor) -> tuple[TensorFrame, float]:
         """Hidden states after this worker's layers, in the request's wire dtype, and
         the seconds spent in the layers."""
         runner = self.runner
@@ -78,9 +79,8 @@ class HeldLayers:
         wire, raw = wire_form(out.astype(wire_dtype))
         mx.eval(raw)  # the layers and the wire cast in one evaluation
         compute_s = time.perf_counter() - start
-        reply = pack(wire, raw)
         self._refresh_kv()
-        return reply, compute_s
+        return frame(wire, raw), compute_s
 
     def release(self, seq_ids: list[int]) -> int:
         runner = self.runner

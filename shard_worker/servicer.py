@@ -21,6 +21,7 @@ from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tensor_codec import TensorFormatError
+from common.wire_frames import with_tensor
 from shard_worker.forward_request import rows_spec
 from shard_worker.held_layers import HeldLayers
 from shard_worker.mlx_thread import MLXThread, QueueFull, ThreadStopped
@@ -73,7 +74,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         for request in request_iterator:
             yield self._forward(request, context)
 
-    def _forward(self, request: pb.ForwardRequest, context) -> pb.ForwardReply:
+    def _forward(self, request: pb.ForwardRequest, context) -> bytes:
+        """The serialized reply (its hidden states framed by hand: one copy)."""
         if self.layers.state.layer_range is None:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -87,9 +89,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             hidden, compute_s = future.result()
         except Exception as e:
             self._abort(context, e)
-        return pb.ForwardReply(
-            batch_id=request.batch_id, hidden=hidden, compute_s=compute_s, queue_s=future.queue_s
+        header = pb.ForwardReply(
+            batch_id=request.batch_id, compute_s=compute_s, queue_s=future.queue_s
         )
+        return with_tensor(header, "hidden", hidden)
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
         try:

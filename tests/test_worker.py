@@ -91,8 +91,9 @@ class Worker:
 
 
 def request(spec: RowsSpec, hidden: mx.array, batch_id: int = 0) -> pb.ForwardRequest:
-    """The request the coordinator's pipeline would send."""
-    return forward_request(batch_id, spec, encode(hidden))
+    """The request the coordinator's pipeline would send (its hand-framed bytes, parsed
+    back into a message that tests may alter)."""
+    return pb.ForwardRequest.FromString(forward_request(batch_id, spec, encode(hidden)))
 
 
 def spec_of(seq_ids, starts, widths, keeps, filled) -> RowsSpec:
