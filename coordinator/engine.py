@@ -19,7 +19,7 @@ from common.model_parts import ModelParts
 from coordinator.generation_params import GenerationParams
 from coordinator.pipeline import Pipeline
 from coordinator.row_plan import RowPlan
-from coordinator.sampling import sample_tokens
+from coordinator.sampling import greedy_tokens, sample_tokens
 from coordinator.scheduler import Commit, Limits, Scheduler
 from coordinator.selection import entropy, select_fills
 from coordinator.sequence import Phase, Sequence
@@ -229,25 +229,33 @@ class Engine:
         )
 
     def _select(self, batch: TickBatch, hidden: mx.array) -> tuple[mx.array, mx.array]:
-        """Head on the needed rows, selection and sampling on the device, left lazy."""
+        """Head on the needed rows, selection and sampling on the device, left lazy. Only
+        what the batch needs is built: every op here sits between two forwards on the
+        device, so a greedy autoregressive batch pays for the head and an argmax only."""
         rows = len(batch.plans)
         if not batch.wants_head:
             return mx.zeros((rows, 0), mx.bool_), mx.zeros((rows, 0), mx.int32)
         slots = mx.array(batch.head_slots)
         picked = mx.take_along_axis(hidden[:rows], slots[:, :, None], axis=1)
-        logits = self.parts.head(picked).astype(mx.float32)
-        arrays = batch.sampling_arrays()
+        logits = self.parts.head(picked)
         is_mask = mx.array(batch.head_is_mask)
-        ent = entropy(logits) if batch.any_wedlm else mx.zeros(is_mask.shape, mx.float32)
-        fills = select_fills(ent, is_mask, arrays["threshold"], arrays["penalty"])
+        if batch.any_wedlm:
+            logits = logits.astype(mx.float32)
+            chosen = batch.selection_arrays()
+            fills = select_fills(entropy(logits), is_mask, chosen["threshold"], chosen["penalty"])
+        else:  # AR rows fill their one slot (an infinite threshold): exactly is_mask
+            fills = is_mask
+        if not batch.any_sampling:
+            return fills, greedy_tokens(logits)
+        arrays = batch.sampling_arrays()
         tokens = sample_tokens(
-            logits,
+            logits.astype(mx.float32),
             arrays["temperature"],
             arrays["top_k"],
             arrays["top_p"],
             arrays["seed"],
             arrays["counter"],
-            any_sampling=batch.any_sampling,
+            any_sampling=True,
             any_filter=batch.any_filter,
         )
         return fills, tokens

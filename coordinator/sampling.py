@@ -50,6 +50,12 @@ def _filter_top_k_top_p(logits: mx.array, top_k: mx.array, top_p: mx.array) -> m
     return mx.put_along_axis(mx.full(logits.shape, neg_inf), order, ranked, axis=-1)
 
 
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """The argmax token of every slot (exact in the logits' own dtype: upcasting a
+    bfloat16 value is exact, so it cannot change which one is largest)."""
+    return mx.argmax(logits, axis=-1).astype(mx.int32)
+
+
 def sample_tokens(
     logits: mx.array,
     temperature: mx.array,
@@ -63,7 +69,7 @@ def sample_tokens(
 ) -> mx.array:
     """Tokens for logits [N, S, V] with per-row parameters [N]. The two flags are known on
     the host and keep greedy-only batches from paying for noise and sorting."""
-    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+    greedy = greedy_tokens(logits)
     if not any_sampling:
         return greedy
     _, s, v = logits.shape

@@ -26,25 +26,30 @@ class TickBatch:
     def wants_head(self) -> bool:
         return self.head_slots.shape[1] > 0
 
-    def sampling_arrays(self) -> dict[str, mx.array]:
-        """Per-row decoding parameters as device arrays (idle rows get neutral values)."""
+    def _column(self, get, default, dtype) -> mx.array:
+        """One decoding parameter per row as a device array (idle rows get `default`)."""
         rows = [p.seq.params for p in self.plans]
+        return mx.array([get(r) if r else default for r in rows], dtype=dtype)
+
+    def selection_arrays(self) -> dict[str, mx.array]:
+        """WeDLM slot selection parameters per row."""
         ar = float("inf")  # an AR row fills its single slot: adj < inf always holds
-
-        def col(get, default, dtype):
-            return mx.array([get(r) if r else default for r in rows], dtype=dtype)
-
         return {
-            "threshold": col(
+            "threshold": self._column(
                 lambda r: ar if r.mode == "ar" else (r.threshold or -float("inf")),
                 0.0,
                 mx.float32,
             ),
-            "penalty": col(lambda r: r.penalty, 0.0, mx.float32),
-            "temperature": col(lambda r: r.temperature, 0.0, mx.float32),
-            "top_k": col(lambda r: r.top_k, 0, mx.int32),
-            "top_p": col(lambda r: r.top_p, 1.0, mx.float32),
-            "seed": mx.array([r.seed if r else 0 for r in rows], dtype=mx.uint32),
+            "penalty": self._column(lambda r: r.penalty, 0.0, mx.float32),
+        }
+
+    def sampling_arrays(self) -> dict[str, mx.array]:
+        """Sampling parameters per row (only needed when some row samples)."""
+        return {
+            "temperature": self._column(lambda r: r.temperature, 0.0, mx.float32),
+            "top_k": self._column(lambda r: r.top_k, 0, mx.int32),
+            "top_p": self._column(lambda r: r.top_p, 1.0, mx.float32),
+            "seed": self._column(lambda r: r.seed, 0, mx.uint32),
             # Read when the micro-batch completes, after every earlier step's postprocess
             "counter": mx.array([p.seq.forwards for p in self.plans], dtype=mx.uint32),
         }
