@@ -32,7 +32,7 @@ from benchmarks import grpc_floor
 from benchmarks.bench_cluster import GPUS_HELP, Cluster
 from common.model_config import load_model_config
 from common.rows_spec import RowsSpec
-from common.tensor_codec import decode, encode
+from common.tensor_codec import decode, encode_frame
 from coordinator.cluster_client import WedlmClient
 from coordinator.generation_params import GenerationParams
 from coordinator.local_engine import open_local_engine, resolve_model
@@ -205,9 +205,9 @@ def bench_hops(model: Path, repeats: int, warmup: int) -> dict:
             rt, comp, enc, dec, wire, queue_s = [], [], [], [], [], []
             for r in range(warmup + n):
                 t0 = now()
-                tensor = encode(x)
+                request = forward_request(r + 1, spec, encode_frame(x))  # as the pipeline does
                 t1 = now()
-                link.send(forward_request(r + 1, spec, tensor))
+                link.send(request)
                 reply = link.receive()
                 t2 = now()
                 y = decode(reply.hidden)

@@ -33,19 +33,17 @@ def wire_form(array: mx.array) -> tuple[int, mx.array]:
     return wire, (array.view(view) if view is not None else array)
 
 
-def pack(wire: int, raw: mx.array) -> pb.Tensor:
-    """A wire tensor from wire_form()'s output (evaluated here if it is not yet)."""
+def encode(array: mx.array) -> pb.Tensor:
+    """A wire tensor message (the Forward path frames its tensors by hand instead)."""
+    wire, raw = wire_form(array)
     data = memoryview(np.ascontiguousarray(np.array(raw, copy=False))).tobytes()
     return pb.Tensor(dtype=wire, shape=list(raw.shape), data=data)
 
 
-def encode(array: mx.array) -> pb.Tensor:
-    return pack(*wire_form(array))
-
-
 def frame(wire: int, raw: mx.array) -> TensorFrame:
-    """Like pack(), for a message framed by hand: the bytes are read from the array's own
-    buffer when the message is put together, with no intermediate copies."""
+    """A tensor for a message framed by hand, from wire_form()'s output (evaluated here if
+    it is not yet): the bytes are read from the array's own buffer when the message is
+    put together, with no intermediate copies."""
     return TensorFrame.of_array(wire, np.array(raw, copy=False))
 
 

@@ -238,9 +238,10 @@ class Engine:
         slots = mx.array(batch.head_slots)
         picked = mx.take_along_axis(hidden[:rows], slots[:, :, None], axis=1)
         logits = self.parts.head(picked)
+        if batch.any_wedlm or batch.any_sampling:
+            logits = logits.astype(mx.float32)  # entropy and sampling work in float32
         is_mask = mx.array(batch.head_is_mask)
         if batch.any_wedlm:
-            logits = logits.astype(mx.float32)
             chosen = batch.selection_arrays()
             fills = select_fills(entropy(logits), is_mask, chosen["threshold"], chosen["penalty"])
         else:  # AR rows fill their one slot (an infinite threshold): exactly is_mask
@@ -249,7 +250,7 @@ class Engine:
             return fills, greedy_tokens(logits)
         arrays = batch.sampling_arrays()
         tokens = sample_tokens(
-            logits.astype(mx.float32),
+            logits,
             arrays["temperature"],
             arrays["top_k"],
             arrays["top_p"],
