@@ -32,6 +32,7 @@ from coordinator.local_engine import resolve_model
 from coordinator.pipeline import LocalPipeline
 from coordinator.row_plan import plan_next
 from coordinator.sequence import Phase
+from coordinator.tick_batch import build_batch
 
 T_VALUES = (1, 2, 4, 8, 16, 17, 20, 24, 32, 48, 64)
 CONTEXT = 512
@@ -98,6 +99,26 @@ def window_forward(
     return parts.head(hidden[:, mx.array(head_slots), :])
 
 
+def projections_forward(parts: ModelParts, hidden: mx.array) -> list[mx.array]:
+    """Only the layers' weight matmuls (q/k/v/o, gate/up/down) on `hidden`: no attention,
+    no norms, no KV. Its time versus T is the floor MLX's matmuls set for a window forward."""
+    h, outs = hidden, []
+    for layer in parts.layers:
+        a, m = layer.self_attn, layer.mlp
+        q = a.q_proj(h)
+        outs += [q, a.k_proj(h), a.v_proj(h)]
+        h = h + a.o_proj(q)
+        h = h + m.down_proj(m.gate_proj(h) * m.up_proj(h))
+    return [h, *outs]
+
+
+def has_dense_projections(parts: ModelParts) -> bool:
+    return all(
+        hasattr(layer, "self_attn") and hasattr(getattr(layer, "mlp", None), "gate_proj")
+        for layer in parts.layers
+    )
+
+
 def wedlm_filled(t: int) -> np.ndarray:
     """A WeDLM-shaped window: the committing run of t-16 filled slots, then a mask first
     and every third slot filled (non-causal visibility, the explicit mask path)."""
@@ -144,6 +165,18 @@ def bench_forward(
             for kind in kinds:
                 times[kind][t] = [once(t, kind) for _ in range(repeats + 2)][2:]
     assert int(kv.lengths[0]) == CONTEXT
+    if has_dense_projections(parts):
+        dtype = parts.norm.weight.dtype
+        times["projections"] = {}
+        for t in (1, 17, 24):
+            x = mx.random.normal((1, t, parts.config.hidden_size)).astype(dtype)
+            mx.eval(x)
+            laps = []
+            for _ in range(repeats + 2):
+                start = now()
+                mx.eval(projections_forward(parts, x))
+                laps.append(now() - start)
+            times["projections"][t] = laps[2:]
     # The head alone on 1 vs WINDOW rows: a WeDLM step needs logits for W slots.
     hidden = mx.random.normal((1, WINDOW, parts.config.hidden_size)).astype(parts.norm.weight.dtype)
     for rows in (1, WINDOW):
@@ -163,7 +196,9 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
     seq = engine.submit(prompt, params)
     seq.params = dataclasses.replace(seq.params, extra_stop_ids=(), stop_ids=())
     parts = engine.parts
-    prof = {"run": 0.0, "graph": 0.0}
+    # run: inside engine._complete; graph: inside pipeline.submit, wherever it is called
+    # from (a regular launch, or the look-ahead inside _complete: graph_in_run)
+    prof = {"run": 0.0, "graph": 0.0, "graph_in_run": 0.0, "in_run": False}
     run, fwd = engine._complete, engine.pipeline.submit
     if bare:  # a bare forward between steps cannot overlap a forward launched ahead
         engine._launch_ahead = lambda flight, tokens: False
@@ -171,9 +206,17 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
     def timed(key, fn):
         def wrapper(*a):
             start = now()
-            out = fn(*a)
-            prof[key] += now() - start
-            return out
+            if key == "run":
+                prof["in_run"] = True
+            try:
+                return fn(*a)
+            finally:
+                spent = now() - start
+                prof[key] += spent
+                if key == "run":
+                    prof["in_run"] = False
+                elif prof["in_run"]:
+                    prof["graph_in_run"] += spent
 
         return wrapper
 
@@ -185,26 +228,28 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
         while not seq.finished:
             decoding, before = seq.phase is Phase.DECODE, seq.forwards
             plan = plan_next(seq, engine.config.mask_token_id, engine.prefill_chunk)
+            batch = build_batch([plan])  # the window the step runs (padded to a width step)
             if bare and decoding:
-                win = window_visibility(plan.filled)[None]
+                win = batch.spec.windows()
                 start = now()
                 kv = engine.pipeline.runner.store.rows_for([seq.seq_id])  # this seq's KV
-                mx.eval(window_forward(parts, kv, plan.tokens[None], win))
+                mx.eval(window_forward(parts, kv, batch.tokens, win))
                 bare_t = now() - start
                 # the same forward with the head on every row the step takes logits of
                 start = now()
-                mx.eval(window_forward(parts, kv, plan.tokens[None], win, plan.head_slots))
+                mx.eval(window_forward(parts, kv, batch.tokens, win, plan.head_slots))
                 logits_t = now() - start
-            prof.update(run=0.0, graph=0.0)
+            prof.update(run=0.0, graph=0.0, graph_in_run=0.0)
             start = now()
             engine.step()
             dt = now() - start
             if decoding and seq.forwards > before:  # a tick that ran a forward
                 steps.append(dt)
-                widths.append(plan.width)
-                split["host"].append(dt - prof["run"])
+                widths.append(batch.spec.width)
+                outside = prof["graph"] - prof["graph_in_run"]
+                split["host"].append(dt - prof["run"] - outside)
                 split["graph"].append(prof["graph"])
-                split["rest"].append(prof["run"] - prof["graph"])
+                split["rest"].append(prof["run"] - prof["graph_in_run"])
                 if bare:
                     bares.append(bare_t)
                     with_logits.append(logits_t)
@@ -281,7 +326,8 @@ def plot(result: dict, path: Path) -> None:
     for kind, d in result["forward_ms"].items():
         if kind == "head":
             continue
-        a.plot([int(t) for t in d], list(d.values()), "o-", label=f"{kind} window")
+        label = "projections only" if kind == "projections" else f"{kind} window"
+        a.plot([int(t) for t in d], list(d.values()), "o-", label=label)
     a.axhline(base, color="gray", ls=":", label="T=1 (AR)")
     a.axhline(1.25 * base, color="red", ls="--", label="1.25 × T=1")
     a.set_xscale("log", base=2)
@@ -347,6 +393,9 @@ def main() -> None:
     w, lo = fwd["wedlm"], {t: min(v) for t, v in raw["wedlm"].items()}
     result["ratio_16p"] = {str(t): w[t] / w[1] for t in (17, 20, 24)}
     result["ratio_16p_min"] = {str(t): lo[t] / lo[1] for t in (17, 20, 24)}  # jitter-robust
+    if "projections" in fwd:  # what the matmuls alone give for the same T
+        proj = fwd["projections"]
+        result["ratio_projections"] = {str(t): proj[t] / proj[1] for t in (17, 24)}
     dec = bench_decode(parts, mlm, args.repeats, args.tokens)
     result["decode"] = dec
     result["ratios"] = {
@@ -360,6 +409,7 @@ def main() -> None:
         "wedlm_step_overhead_vs_logits": dec["engine_wedlm"]["step_overhead_vs_logits"],
         "ar_step_overhead": dec["engine_ar_bare"]["step_overhead"],
         "ratio_16p_T17": result["ratio_16p"]["17"],
+        "median_step_width": dec["engine_wedlm"]["median_T"],
     }
     result["targets"] = {
         "engine_ar_over_mlxlm": ">= 0.95",
