@@ -44,6 +44,7 @@ from tests.cluster_harness import cluster_name, start_worker
 now = time.perf_counter
 PAYLOADS = (16 * 1024, 256 * 1024, 4 * 1024 * 1024)
 HOP_TARGET_MS = 0.5  # per-hop overhead at 256 KiB
+PREFILL_ROWS = 512  # one prefill chunk
 STEP_TARGET = 1.15  # 2 workers / single process
 WINDOW = 16
 LISTENING = r"listening on (127\.0\.0\.1:\d+)"
@@ -239,12 +240,49 @@ def bench_hops(model: Path, repeats: int, warmup: int) -> dict:
                 "overhead_beyond_echo_ms_median": ms(over) - floor[str(nbytes)],
             }
             link.release(seq_ids)
+        results["prefill_reply"] = prefill_reply(link, config.hidden_size, repeats, warmup)
         results["worker_device"] = info.device
         results["worker_dtype"] = info.hidden_dtype
     finally:
         link.close()
         proc.stop()
     return results
+
+
+def prefill_reply(link: WorkerLink, hidden: int, repeats: int, warmup: int) -> dict:
+    """A 512-row prefill chunk of one sequence through the worker, its reply carrying every
+    row (as a middle worker's does, and as the last worker's did before protocol 2) versus
+    only the last row (the one the head needs), alternated in one loop."""
+    rows = PREFILL_ROWS
+    x = (mx.random.normal((1, rows, hidden)) * 0.5).astype(mx.bfloat16)
+    mx.eval(x)
+    spec = RowsSpec(
+        [90_000],
+        np.zeros(1, np.int64),
+        np.full(1, rows, np.int64),
+        np.ones((1, rows), bool),
+        np.zeros(1, np.int64),
+    )  # keep 0: the KV stays empty, every forward is the same first chunk
+    last = np.array([[rows - 1]], np.int32)
+    times: dict[str, list[float]] = {"all_rows": [], "last_row": []}
+    n = max(20, repeats // 2)
+    for r in range(warmup + n):
+        for kind, slots in (("all_rows", None), ("last_row", last)):
+            t0 = now()
+            link.send(forward_request(r + 1, spec, encode_frame(x), slots))
+            reply = link.receive()
+            mx.eval(decode(reply.hidden))
+            if r >= warmup:
+                times[kind].append((now() - t0) - reply.compute_s)
+    link.release([90_000])
+    out = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return {
+        "rows": rows,
+        "request_bytes": rows * hidden * 2,
+        "overhead_ms_median": out,
+        "saved_ms": out["all_rows"] - out["last_row"],
+        "repeats": n,
+    }
 
 
 # ---- (2) decode step: N workers vs the single-process engine -------------------------------

@@ -15,11 +15,13 @@ from collections import OrderedDict
 
 import grpc
 
+from common.proto_gen import wedlm_pb2 as pb
+
 AUTH_KEY = "x-wedlm-auth"
 PROTOCOL_KEY = "x-wedlm-protocol"
 MODEL_KEY = "x-wedlm-model"
 MAX_SKEW_S = 120.0
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT  # proto/wedlm.proto, bumped there
 
 
 def _sign(secret: str, method: str, stamp: str, nonce: str) -> str:

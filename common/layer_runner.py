@@ -4,6 +4,7 @@ Used in-process by the single-machine engine and behind gRPC by every worker."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from common.errors import WedlmError
 from common.kv_store import KVStore
@@ -20,6 +21,14 @@ class RowsError(WedlmError):
 
 
 MAX_WIDTH = 4096  # rows per sequence in one forward (window masks are B x T x T on the host)
+
+
+def select_slots(hidden: mx.array, slots: np.ndarray) -> mx.array:
+    """hidden [B, T, H] → [B, S, H]: slot slots[b, i] of row b. With S = 0 nothing is kept
+    (evaluating the result still runs the layers: the KV they write is needed)."""
+    if slots.shape[1] == 0:
+        return hidden[:, :0, :]
+    return mx.take_along_axis(hidden, mx.array(slots, dtype=mx.int32)[:, :, None], axis=1)
 
 
 class LayerRunner:

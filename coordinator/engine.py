@@ -149,7 +149,7 @@ class Engine:
         batch = build_batch(plans, padding_ids=self._padding_ids(unit, len(plans)))
         hidden = self.parts.embed(mx.array(batch.tokens))
         batch_id = next(self._batch_ids)
-        self.pipeline.submit(batch_id, batch.spec, hidden)
+        self.pipeline.submit(batch_id, batch.spec, hidden, batch.reply_slots())
         self.in_flight.append(InFlight(batch_id, unit, plans, batch, started))
 
     def _padding_ids(self, unit: int, rows: int) -> list[int]:
@@ -215,7 +215,7 @@ class Engine:
         if pad:
             ids = mx.concatenate([ids, mx.zeros((pad, 1), ids.dtype)])
         batch_id = next(self._batch_ids)
-        self.pipeline.submit(batch_id, batch.spec, self.parts.embed(ids))
+        self.pipeline.submit(batch_id, batch.spec, self.parts.embed(ids), batch.reply_slots())
         self.in_flight.append(InFlight(batch_id, flight.unit, nxt, batch, started))
         return True
 
@@ -235,9 +235,7 @@ class Engine:
         rows = len(batch.plans)
         if not batch.wants_head:
             return mx.zeros((rows, 0), mx.bool_), mx.zeros((rows, 0), mx.int32)
-        slots = mx.array(batch.head_slots)
-        picked = mx.take_along_axis(hidden[:rows], slots[:, :, None], axis=1)
-        logits = self.parts.head(picked)
+        logits = self.parts.head(hidden[:rows])  # the pipeline returned the head slots only
         if batch.any_wedlm or batch.any_sampling:
             logits = logits.astype(mx.float32)  # entropy and sampling work in float32
         is_mask = mx.array(batch.head_is_mask)

@@ -8,15 +8,23 @@ from collections import deque
 from typing import Protocol
 
 import mlx.core as mx
+import numpy as np
 
-from common.layer_runner import LayerRunner
+from common.layer_runner import LayerRunner, select_slots
 from common.model_parts import ModelParts
 from common.rows_spec import RowsSpec
 
 
 class Pipeline(Protocol):
-    def submit(self, batch_id: int, spec: RowsSpec, hidden: mx.array) -> None:
-        """Start running all layers over hidden [rows, T, H]; then keep spec.keeps rows."""
+    def submit(
+        self,
+        batch_id: int,
+        spec: RowsSpec,
+        hidden: mx.array,
+        reply_slots: np.ndarray | None = None,
+    ) -> None:
+        """Start running all layers over hidden [rows, T, H]; then keep spec.keeps rows.
+        With `reply_slots` ([rows, S]) only those slots' final hidden states come back."""
 
     def collect(self) -> tuple[int, mx.array]:
         """The oldest submitted micro-batch's id and final hidden states (blocks)."""
@@ -34,8 +42,16 @@ class LocalPipeline:
     def forward(self, spec: RowsSpec, hidden: mx.array) -> mx.array:
         return self.runner.forward(spec, hidden, validate=False)
 
-    def submit(self, batch_id: int, spec: RowsSpec, hidden: mx.array) -> None:
+    def submit(
+        self,
+        batch_id: int,
+        spec: RowsSpec,
+        hidden: mx.array,
+        reply_slots: np.ndarray | None = None,
+    ) -> None:
         out = self.runner.forward(spec, hidden, validate=False)  # the engine built the spec
+        if reply_slots is not None:
+            out = select_slots(out, reply_slots)
         mx.async_eval(out)  # the device starts while the host plans the next micro-batch
         self._done.append((batch_id, out))
 

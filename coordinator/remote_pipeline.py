@@ -1,7 +1,8 @@
 """Runs the layers on the workers. A micro-batch's hidden states go to the first worker;
 each worker's reply is relayed to the next worker as soon as it arrives (by that link's
 reader thread, touching only bytes), so several micro-batches can be in flight at once,
-one per pipeline stage. The last worker's replies come back in order."""
+one per pipeline stage. The last worker's replies come back in order, carrying only the
+slots the coordinator takes logits of."""
 
 from __future__ import annotations
 
@@ -23,8 +24,14 @@ from coordinator.worker_link import WorkerCallError, WorkerLink
 log = logging.getLogger(__name__)
 
 
-def forward_request(batch_id: int, spec: RowsSpec, hidden: pb.Tensor | TensorFrame) -> bytes:
-    """A serialized ForwardRequest; the hidden states are framed by hand (one copy)."""
+def forward_request(
+    batch_id: int,
+    spec: RowsSpec,
+    hidden: pb.Tensor | TensorFrame,
+    reply_slots: np.ndarray | None = None,
+) -> bytes:
+    """A serialized ForwardRequest; the hidden states are framed by hand (one copy).
+    `reply_slots` ([B, S]) only for the last worker: the slots its reply carries."""
     header = pb.ForwardRequest(
         batch_id=batch_id,
         seq_ids=spec.seq_ids,
@@ -34,6 +41,9 @@ def forward_request(batch_id: int, spec: RowsSpec, hidden: pb.Tensor | TensorFra
         filled=np.ascontiguousarray(spec.filled, dtype=np.uint8).tobytes(),
         positions=spec.starts.tolist(),
     )
+    if reply_slots is not None:
+        header.reply_rows.per_row = reply_slots.shape[1]
+        header.reply_rows.slots.extend(reply_slots.reshape(-1).tolist())
     frame = hidden if isinstance(hidden, TensorFrame) else TensorFrame.of(hidden)
     return with_tensor(header, "hidden", frame)
 
@@ -43,7 +53,7 @@ class RemotePipeline:
         self.links = links  # in layer order
         self.deadline_s = deadline_s
         self._ids = itertools.count(1)
-        self._specs: dict[int, RowsSpec] = {}
+        self._specs: dict[int, tuple[RowsSpec, np.ndarray | None]] = {}
         self._lock = threading.Lock()
         self._done: queue.Queue = queue.Queue()
         self.broken: WorkerCallError | None = None  # set once a worker is lost
@@ -56,19 +66,30 @@ class RemotePipeline:
                 self._done.put(reply)
                 return
             with self._lock:
-                spec = self._specs.get(reply.batch_id)
-            if spec is None:  # abandoned after a failure
+                entry = self._specs.get(reply.batch_id)
+            if entry is None:  # abandoned after a failure
                 return
-            self.links[stage + 1].send(forward_request(reply.batch_id, spec, reply.hidden))
+            spec, slots = entry
+            last = stage + 2 == len(self.links)
+            request = forward_request(reply.batch_id, spec, reply.hidden, slots if last else None)
+            self.links[stage + 1].send(request)
 
         return relay
 
-    def submit(self, batch_id: int, spec: RowsSpec, hidden: mx.array) -> None:
+    def submit(
+        self,
+        batch_id: int,
+        spec: RowsSpec,
+        hidden: mx.array,
+        reply_slots: np.ndarray | None = None,
+    ) -> None:
+        """`reply_slots` None: the reply carries every slot (as `forward` needs)."""
         if self.broken is not None:
             raise self.broken
         with self._lock:
-            self._specs[batch_id] = spec
-        self.links[0].send(forward_request(batch_id, spec, encode_frame(hidden)))
+            self._specs[batch_id] = (spec, reply_slots)
+        slots = reply_slots if len(self.links) == 1 else None
+        self.links[0].send(forward_request(batch_id, spec, encode_frame(hidden), slots))
 
     def collect(self) -> tuple[int, mx.array]:
         try:

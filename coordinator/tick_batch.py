@@ -26,6 +26,13 @@ class TickBatch:
     def wants_head(self) -> bool:
         return self.head_slots.shape[1] > 0
 
+    def reply_slots(self) -> np.ndarray:
+        """[rows incl. padding, K]: the slots whose final hidden states the head needs;
+        the last worker returns only these (none for a prefill chunk without logits)."""
+        slots = np.zeros((self.spec.num_rows, self.head_slots.shape[1]), dtype=np.int32)
+        slots[: len(self.plans)] = self.head_slots
+        return slots
+
     def _column(self, get, default, dtype) -> mx.array:
         """One decoding parameter per row as a device array (idle rows get `default`)."""
         rows = [p.seq.params for p in self.plans]

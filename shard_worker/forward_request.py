@@ -67,3 +67,19 @@ def rows_spec(request: pb.ForwardRequest, hidden_size: int, max_positions: int) 
         filled=filled.astype(bool),
         keeps=np.array(request.keep, dtype=np.int64),
     )
+
+
+def reply_slots(request: pb.ForwardRequest, spec: RowsSpec) -> np.ndarray | None:
+    """The slots the reply must carry ([B, S]), or None for every slot."""
+    if not request.HasField("reply_rows"):
+        return None
+    sel = request.reply_rows
+    b, t, s = spec.num_rows, spec.width, int(sel.per_row)
+    if s > t:
+        raise _invalid(f"reply_rows.per_row is {s}, but the window has only {t} slots")
+    if len(sel.slots) != b * s:
+        raise _invalid(f"reply_rows.slots has {len(sel.slots)} entries, expected {b}×{s} = {b * s}")
+    slots = np.array(sel.slots, dtype=np.int32).reshape(b, s)
+    if ((slots < 0) | (slots >= t)).any():
+        raise _invalid(f"reply_rows.slots must name slots in [0, {t})")
+    return slots

@@ -8,9 +8,10 @@ import time
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+import numpy as np
 
 from common.layer_range import LayerRange
-from common.layer_runner import LayerRunner, RowsError
+from common.layer_runner import LayerRunner, RowsError, select_slots
 from common.model_config import ModelConfig
 from common.model_parts import load_model_parts
 from common.proto_gen import wedlm_pb2 as pb
@@ -63,9 +64,11 @@ class HeldLayers:
         self.state = self._describe()
         return self.state
 
-    def forward(self, spec: RowsSpec, hidden: pb.Tensor) -> tuple[TensorFrame, float]:
-        """Hidden states after this worker's layers, in the request's wire dtype, and
-        the seconds spent in the layers."""
+    def forward(
+        self, spec: RowsSpec, hidden: pb.Tensor, reply_slots: np.ndarray | None = None
+    ) -> tuple[TensorFrame, float]:
+        """Hidden states after this worker's layers (only `reply_slots` of each row when
+        given), in the request's wire dtype, and the seconds spent in the layers."""
         runner = self.runner
         if runner is None:
             raise RowsError(
@@ -76,6 +79,8 @@ class HeldLayers:
         wire_dtype = x.dtype
         start = time.perf_counter()
         out = runner.forward(spec, x.astype(self._run_dtype))
+        if reply_slots is not None:
+            out = select_slots(out, reply_slots)
         wire, raw = wire_form(out.astype(wire_dtype))
         mx.eval(raw)  # the layers and the wire cast in one evaluation
         compute_s = time.perf_counter() - start

@@ -22,7 +22,7 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tensor_codec import TensorFormatError
 from common.wire_frames import with_tensor
-from shard_worker.forward_request import rows_spec
+from shard_worker.forward_request import reply_slots, rows_spec
 from shard_worker.held_layers import HeldLayers
 from shard_worker.mlx_thread import MLXThread, QueueFull, ThreadStopped
 
@@ -83,8 +83,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             )
         try:
             spec = rows_spec(request, self.config.hidden_size, self.config.max_position_embeddings)
+            slots = reply_slots(request, spec)
             future = self.mlx.submit(
-                self.layers.forward, spec, request.hidden, alive=context.is_active
+                self.layers.forward, spec, request.hidden, slots, alive=context.is_active
             )
             hidden, compute_s = future.result()
         except Exception as e:

@@ -247,6 +247,17 @@ def forward_requests(draw: st.DrawFn) -> pb.ForwardRequest:
     )
     if hidden is not None:
         msg.hidden.CopyFrom(hidden)
+    if draw(st.booleans()):  # the selection the last worker gets: valid, or anything
+        per_row = draw(_mostly(st.integers(0, t), st.integers(0, 2**32 - 1)))
+        count = b * per_row if per_row <= 8 else 0
+        slots = draw(
+            _mostly(
+                st.lists(st.integers(0, max(0, t - 1)), min_size=count, max_size=count),
+                st.lists(I32, max_size=8),
+            )
+        )
+        msg.reply_rows.per_row = per_row
+        msg.reply_rows.slots.extend(slots)
     return msg
 
 

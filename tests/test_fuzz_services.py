@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from common.call_auth import AUTH_KEY, MODEL_KEY, PROTOCOL_KEY, auth_token
+from common.call_auth import AUTH_KEY, MODEL_KEY, PROTOCOL_KEY, PROTOCOL_VERSION, auth_token
 from common.model_config import load_model_config
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
@@ -95,7 +95,7 @@ class Cluster:
     def md(self, method: str) -> list[tuple[str, str]]:
         """Proper credentials for one worker call (a token is good for one call only)."""
         return [
-            (PROTOCOL_KEY, "1"),
+            (PROTOCOL_KEY, str(PROTOCOL_VERSION)),
             (MODEL_KEY, self.identity),
             (AUTH_KEY, auth_token(SECRET, f"/wedlm.v1.Worker/{method}")),
         ]
@@ -582,7 +582,8 @@ def test_worker_info(serving: Cluster, data: bytes, creds: Credentials):
             check_raw_refusal(serving, f"Info({data!r})", e, since, set())
     else:
         assert creds.expected is None, f"{creds.kind} credentials were accepted"
-        assert reply.model_identity == serving.identity and reply.protocol_version == 1
+        assert reply.model_identity == serving.identity
+        assert reply.protocol_version == PROTOCOL_VERSION
         assert reply.has_layers and (reply.layer_start, reply.layer_end) == (0, 1)
     serving.assert_alive()
 
@@ -590,7 +591,11 @@ def test_worker_info(serving: Cluster, data: bytes, creds: Credentials):
 @pytest.mark.parametrize("method", WORKER_METHODS)
 def test_huge_auth_stamp_is_unauthenticated(cluster: Cluster, method: str):
     """A stamp past a float's range once escaped the check as UNKNOWN."""
-    md = [(PROTOCOL_KEY, "1"), (MODEL_KEY, cluster.identity), (AUTH_KEY, "1" + "0" * 309 + ":n:s")]
+    md = [
+        (PROTOCOL_KEY, str(PROTOCOL_VERSION)),
+        (MODEL_KEY, cluster.identity),
+        (AUTH_KEY, "1" + "0" * 309 + ":n:s"),
+    ]
     fn = raw_method(cluster.worker_channel, "Worker", method)
     since = cluster.mark()
     with pytest.raises(grpc.RpcError) as err:

@@ -22,7 +22,14 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.call_auth import AUTH_KEY, MODEL_KEY, PROTOCOL_KEY, auth_token, call_metadata
+from common.call_auth import (
+    AUTH_KEY,
+    MODEL_KEY,
+    PROTOCOL_KEY,
+    PROTOCOL_VERSION,
+    auth_token,
+    call_metadata,
+)
 from common.discovery_record import SERVICE_TYPE, WorkerAdvert
 from common.layer_range import LayerRange
 from common.layer_runner import LayerRunner
@@ -179,8 +186,53 @@ def test_half_precision_hidden_is_converted(worker):
     assert decode(reply.hidden).shape == (1, 3, 64)
 
 
-def _bad_metadata(worker: Worker, protocol: str = "1", model: str | None = None, auth=True):
-    md = [(PROTOCOL_KEY, protocol), (MODEL_KEY, model or worker.identity)]
+def test_reply_rows_carry_only_the_named_slots(worker, model):
+    """The last worker returns only the slots the coordinator takes logits of: none for a
+    prefill chunk, some of a window's; the KV of every slot is written all the same."""
+    local = LayerRunner(load_model_parts(model, LayerRange(0, 1), with_ends=False))
+    ids = [401, 402]
+    first = spec_of(ids, [0, 0], [5, 3], [5, 3], [[1] * 5, [1, 1, 1, 0, 0]])
+    second = spec_of(ids, [5, 3], [4, 2], [1, 0], [[1, 0, 1, 0], [0, 1, 0, 0]])
+    h1 = mx.random.normal((2, 5, 64), key=mx.random.key(3))
+    h2 = mx.random.normal((2, 4, 64), key=mx.random.key(4))
+    none = np.zeros((2, 0), np.int32)
+    some = np.array([[3, 1], [1, 0]], np.int32)
+    requests = [
+        pb.ForwardRequest.FromString(forward_request(1, first, encode(h1), none)),
+        pb.ForwardRequest.FromString(forward_request(2, second, encode(h2), some)),
+    ]
+    replies = worker.forward(*requests)
+    assert decode(replies[0].hidden).shape == (2, 0, 64)
+    local.forward(first, h1)
+    want = np.take_along_axis(np.array(local.forward(second, h2)), some[:, :, None], axis=1)
+    assert np.array_equal(np.array(decode(replies[1].hidden)), want)
+    # every slot's KV was written as without a selection: a later forward agrees
+    third = spec_of(ids, [6, 3], [1, 1], [1, 1], [[1], [1]])
+    h3 = mx.random.normal((2, 1, 64), key=mx.random.key(5))
+    (reply,) = worker.forward(request(third, h3))
+    assert np.array_equal(np.array(decode(reply.hidden)), np.array(local.forward(third, h3)))
+
+    def selecting(per_row: int, slots: list[int]) -> pb.ForwardRequest:
+        spec, hidden = fresh(410)
+        req = request(spec, hidden)
+        req.reply_rows.per_row = per_row
+        req.reply_rows.slots.extend(slots)
+        return req
+
+    for per_row, slots, why in [
+        (4, [0, 1, 2, 3], "the window has only 3 slots"),
+        (2, [0], "expected 1×2 = 2"),
+        (1, [3], "in [0, 3)"),
+        (1, [-1], "in [0, 3)"),
+    ]:
+        details = expect(S.INVALID_ARGUMENT, worker.forward, selecting(per_row, slots))
+        assert why in details, details
+    (reply,) = worker.forward(selecting(2, [2, 0]))
+    assert decode(reply.hidden).shape == (1, 2, 64)
+
+
+def _bad_metadata(worker: Worker, protocol: str = "", model: str | None = None, auth=True):
+    md = [(PROTOCOL_KEY, protocol or str(PROTOCOL_VERSION)), (MODEL_KEY, model or worker.identity)]
     return md + ([(AUTH_KEY, auth_token(SECRET, "/wedlm.v1.Worker/Info"))] if auth else [])
 
 
@@ -322,7 +374,7 @@ def test_bonjour_advertisement(worker, cluster):
         assert _wait_for(mine), f"not advertised; saw {found}"
         advert, port = mine()[0]
         assert port == worker.port
-        assert advert.cluster == cluster and advert.protocol == 1
+        assert advert.cluster == cluster and advert.protocol == PROTOCOL_VERSION
         assert advert.layers == "0-1" and advert.model == worker.identity
         assert advert.memory_total >= advert.memory_available > 0
     finally:

@@ -36,7 +36,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("batch_id", "seq_ids", "committed", "widths", "keep", "filled", "positions", "hidden")
+    __slots__ = ("batch_id", "seq_ids", "committed", "widths", "keep", "filled", "positions", "hidden", "reply_rows")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class ForwardRequest(_message.Message):
     FILLED_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    REPLY_ROWS_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     committed: _containers.RepeatedScalarFieldContainer[int]
@@ -53,7 +54,16 @@ class ForwardRequest(_message.Message):
     filled: bytes
     positions: _containers.RepeatedScalarFieldContainer[int]
     hidden: Tensor
-    def __init__(self, batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., committed: _Optional[_Iterable[int]] = ..., widths: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., filled: _Optional[bytes] = ..., positions: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    reply_rows: RowSelection
+    def __init__(self, batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., committed: _Optional[_Iterable[int]] = ..., widths: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., filled: _Optional[bytes] = ..., positions: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., reply_rows: _Optional[_Union[RowSelection, _Mapping]] = ...) -> None: ...
+
+class RowSelection(_message.Message):
+    __slots__ = ("per_row", "slots")
+    PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    per_row: int
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, per_row: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
     __slots__ = ("batch_id", "hidden", "compute_s", "queue_s")
