@@ -1,6 +1,8 @@
 """Accepted jobs and their results in an embedded SQLite database, so a coordinator restart
 loses nothing it accepted: unfinished jobs run again, finished results stay retrievable.
-Writes go through one writer thread, so neither gRPC threads nor the engine wait on disk."""
+Writes go through one writer thread, which commits whatever is pending in one transaction.
+Accepting a job waits for its commit (a client holding a job id may rely on it); results
+are written without waiting, so the engine never waits on disk."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 
 import msgpack
 
+from common.errors import WedlmError
 from coordinator.generation_params import GenerationParams
 
 log = logging.getLogger(__name__)
@@ -28,6 +31,19 @@ CREATE TABLE IF NOT EXISTS jobs (
 )
 """
 _STOP = object()
+ACCEPT_TIMEOUT_S = 10.0
+
+
+class JobStoreError(WedlmError):
+    """An accepted job could not be written: it must not be acknowledged."""
+
+
+class _Commit:
+    """Signalled by the writer once the entry's transaction is committed (or failed)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: str | None = None
 
 
 def encode_request(prompt: list[int], params: GenerationParams, deadline: float | None) -> bytes:
@@ -77,12 +93,20 @@ class JobStore:
         ]
 
     def accepted(self, job_id: str, created_at: float, request: bytes) -> None:
+        """Returns once the job is committed: a coordinator killed right after answering
+        with the job's id finds the job when it starts again. Raises JobStoreError."""
+        commit = _Commit()
         self._queue.put(
             (
                 "INSERT OR REPLACE INTO jobs VALUES (?, ?, 'queued', ?, NULL)",
                 (job_id, created_at, request),
+                commit,
             )
         )
+        if not commit.done.wait(ACCEPT_TIMEOUT_S):
+            raise JobStoreError(f"the job store ({self.path}) did not commit within 10 s")
+        if commit.error is not None:
+            raise JobStoreError(f"the job store ({self.path}) cannot write: {commit.error}")
 
     def finished(self, job_id: str, state: str, result: dict[str, Any]) -> None:
         self._queue.put(
@@ -103,13 +127,19 @@ class JobStore:
             batch = [item]
             while not self._queue.empty():  # commit what is pending in one transaction
                 batch.append(self._queue.get())
+            entries = [e for e in batch if e is not _STOP]
+            error = None
             try:
                 with db:
-                    for entry in batch:
-                        if entry is not _STOP:
-                            db.execute(*entry)
+                    for sql, args, *_ in entries:
+                        db.execute(sql, args)
             except sqlite3.Error as e:
+                error = str(e)
                 log.error("job store write failed: %s", e)
+            for _, _, *waiter in entries:
+                if waiter:
+                    waiter[0].error = error
+                    waiter[0].done.set()
             if any(entry is _STOP for entry in batch):
                 db.close()
                 return

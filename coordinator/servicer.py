@@ -16,6 +16,7 @@ from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tokenizer import Tokenizer
 from coordinator.engine import Engine
 from coordinator.engine_loop import EngineLoop
+from coordinator.job_store import JobStoreError
 from coordinator.jobs import Job, JobRegistry
 from coordinator.request_parsing import params_from_request, prompt_from_request
 
@@ -98,7 +99,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             )
         with self._admission:
             self._check_room(len(prompt), context)
-            job = self.jobs.create(prompt, params, request.deadline_s)
+            try:
+                job = self.jobs.create(prompt, params, request.deadline_s)
+            except JobStoreError as e:  # not written: not accepted
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         loop.submit(job)
         return job
 

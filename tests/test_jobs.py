@@ -1,10 +1,15 @@
 """The job registry: finished jobs are kept up to a limit (oldest forgotten first, in
-memory and in the store), unfinished jobs never."""
+memory and in the store), unfinished jobs never; an accepted job is on disk before its id
+is handed out."""
 
 from __future__ import annotations
 
+import sqlite3
+
+import pytest
+
 from coordinator.generation_params import GenerationParams
-from coordinator.job_store import JobStore
+from coordinator.job_store import JobStore, JobStoreError
 from coordinator.jobs import JobRegistry
 
 
@@ -27,3 +32,32 @@ def test_registry_keeps_at_most_keep_finished_jobs(tmp_path):
     assert {j.job_id for j in pending} >= {running.job_id}
     assert all(restored.get(j) is None for j in finished[:3])  # forgotten in the store too
     assert all(restored.get(j).result == {"tokens": [i + 3]} for i, j in enumerate(kept))
+
+
+def test_an_accepted_job_is_committed_before_create_returns(tmp_path):
+    """A coordinator killed right after answering Submit must find the job again: another
+    connection sees the row as soon as create() returns, for every one of many jobs."""
+    store = JobStore(tmp_path / "jobs.sqlite")
+    registry = JobRegistry(store=store)
+    reader = sqlite3.connect(tmp_path / "jobs.sqlite")
+    try:
+        for i in range(20):
+            job = registry.create([5, i], GenerationParams())
+            row = reader.execute(
+                "SELECT state FROM jobs WHERE job_id = ?", (job.job_id,)
+            ).fetchone()
+            assert row == ("queued",), f"job {i} was not committed when create() returned"
+    finally:
+        reader.close()
+        store.close()
+
+
+def test_a_job_the_store_cannot_write_is_not_accepted(tmp_path):
+    store = JobStore(tmp_path / "jobs.sqlite")
+    registry = JobRegistry(store=store)
+    with sqlite3.connect(tmp_path / "jobs.sqlite") as db:
+        db.execute("DROP TABLE jobs")  # every later write fails
+    with pytest.raises(JobStoreError, match="cannot write: no such table: jobs"):
+        registry.create([6], GenerationParams())
+    assert registry.unfinished() == []  # nothing half-accepted stays behind
+    store.close()
