@@ -26,8 +26,6 @@ MAX_WIDTH = 4096  # rows per sequence in one forward (window masks are B x T x T
 def select_slots(hidden: mx.array, slots: np.ndarray) -> mx.array:
     """hidden [B, T, H] → [B, S, H]: slot slots[b, i] of row b. With S = 0 nothing is kept
     (evaluating the result still runs the layers: the KV they write is needed)."""
-    if slots.shape[1] == 0:
-        return hidden[:, :0, :]
     return mx.take_along_axis(hidden, mx.array(slots, dtype=mx.int32)[:, :, None], axis=1)
 
 

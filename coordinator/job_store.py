@@ -104,7 +104,9 @@ class JobStore:
             )
         )
         if not commit.done.wait(ACCEPT_TIMEOUT_S):
-            raise JobStoreError(f"the job store ({self.path}) did not commit within 10 s")
+            raise JobStoreError(
+                f"the job store ({self.path}) did not commit within {ACCEPT_TIMEOUT_S:g} s"
+            )
         if commit.error is not None:
             raise JobStoreError(f"the job store ({self.path}) cannot write: {commit.error}")
 

@@ -69,10 +69,7 @@ class RemotePipeline:
                 entry = self._specs.get(reply.batch_id)
             if entry is None:  # abandoned after a failure
                 return
-            spec, slots = entry
-            last = stage + 2 == len(self.links)
-            request = forward_request(reply.batch_id, spec, reply.hidden, slots if last else None)
-            self.links[stage + 1].send(request)
+            self._send(stage + 1, reply.batch_id, *entry, reply.hidden)
 
         return relay
 
@@ -88,8 +85,20 @@ class RemotePipeline:
             raise self.broken
         with self._lock:
             self._specs[batch_id] = (spec, reply_slots)
-        slots = reply_slots if len(self.links) == 1 else None
-        self.links[0].send(forward_request(batch_id, spec, encode_frame(hidden), slots))
+        self._send(0, batch_id, spec, reply_slots, encode_frame(hidden))
+
+    def _send(
+        self,
+        stage: int,
+        batch_id: int,
+        spec: RowsSpec,
+        reply_slots: np.ndarray | None,
+        hidden: pb.Tensor | TensorFrame,
+    ) -> None:
+        """Only the last worker's reply is cut to `reply_slots`: the others feed a worker."""
+        last = stage + 1 == len(self.links)
+        request = forward_request(batch_id, spec, hidden, reply_slots if last else None)
+        self.links[stage].send(request)
 
     def collect(self) -> tuple[int, mx.array]:
         try:
