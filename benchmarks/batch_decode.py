@@ -29,11 +29,11 @@ if str(ROOT) not in sys.path:
 from benchmarks.engine import mlx_lm_model, random_qwen3
 from common import model_parts
 from common.model_parts import ModelParts, load_model_parts
-from coordinator.engine import Engine
-from coordinator.generation_params import GenerationParams
-from coordinator.local_engine import resolve_model
-from coordinator.pipeline import LocalPipeline
-from coordinator.sequence import Phase
+from coordinator.engine.engine import Engine
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.engine.local_engine import resolve_model
+from coordinator.engine.pipeline import LocalPipeline
+from coordinator.engine.sequence import Phase
 
 DEFAULT_CHUNK = model_parts.LAUNCH_EVERY
 SKIP = 4  # first decode steps of a run are not measured (new shapes)

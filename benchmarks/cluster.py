@@ -33,12 +33,12 @@ from benchmarks.bench_cluster import GPUS_HELP, Cluster
 from common.model_config import load_model_config
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode_frame
-from coordinator.cluster_client import WedlmClient
-from coordinator.generation_params import GenerationParams
-from coordinator.local_engine import open_local_engine, resolve_model
-from coordinator.remote_pipeline import forward_request
-from coordinator.results import result_record
-from coordinator.worker_link import WorkerLink
+from coordinator.client.cluster_client import WedlmClient
+from coordinator.cluster.remote_pipeline import forward_request
+from coordinator.cluster.worker_link import WorkerLink
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.engine.local_engine import open_local_engine, resolve_model
+from coordinator.service.results import result_record
 from tests.cluster_harness import cluster_name, start_worker
 
 now = time.perf_counter

@@ -26,13 +26,13 @@ from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.model_parts import ModelParts, load_model_parts, run_layers
 from common.window_mask import window_visibility
-from coordinator.engine import Engine
-from coordinator.generation_params import GenerationParams
-from coordinator.local_engine import resolve_model
-from coordinator.pipeline import LocalPipeline
-from coordinator.row_plan import plan_next
-from coordinator.sequence import Phase
-from coordinator.tick_batch import build_batch
+from coordinator.engine.engine import Engine
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.engine.local_engine import resolve_model
+from coordinator.engine.pipeline import LocalPipeline
+from coordinator.engine.row_plan import plan_next
+from coordinator.engine.sequence import Phase
+from coordinator.engine.tick_batch import build_batch
 
 T_VALUES = (1, 2, 4, 8, 16, 17, 20, 24, 32, 48, 64)
 CONTEXT = 512

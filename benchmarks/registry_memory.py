@@ -25,11 +25,11 @@ if str(ROOT) not in sys.path:
 
 from common.model_parts import load_model_parts
 from common.tokenizer import Tokenizer
-from coordinator.engine import Engine
-from coordinator.engine_loop import EngineLoop
-from coordinator.generation_params import GenerationParams
-from coordinator.jobs import JobRegistry
-from coordinator.pipeline import LocalPipeline
+from coordinator.engine.engine import Engine
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.engine.pipeline import LocalPipeline
+from coordinator.service.engine_loop import EngineLoop
+from coordinator.service.jobs import JobRegistry
 from tests.checkpoints import make_checkpoint
 
 

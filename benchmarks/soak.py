@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from coordinator.cluster_client import ClusterError, WedlmClient
-from coordinator.generation_params import GenerationParams
+from coordinator.client.cluster_client import ClusterError, WedlmClient
+from coordinator.engine.generation_params import GenerationParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ is not installed
 from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker
@@ -277,7 +277,7 @@ def main() -> None:
         make_checkpoint(model, "qwen3", seed=0, num_hidden_layers=6, max_position_embeddings=2048)
         model_name = "tiny random qwen3 (6 layers, hidden 64, fp32)"
     else:
-        from coordinator.local_engine import resolve_model
+        from coordinator.engine.local_engine import resolve_model
 
         model, model_name = Path(resolve_model(args.model)), args.model
     soak = Soak(args, model)

@@ -38,7 +38,7 @@ from benchmarks.engine import (
 from common.kv_rows import KVRows
 from common.model_parts import ModelParts, load_model_parts, run_layers
 from common.window_mask import window_visibility
-from coordinator.local_engine import resolve_model
+from coordinator.engine.local_engine import resolve_model
 
 T_VALUES = (1, 2, 4, 8, 16, 17, 24, 32)
 now = time.perf_counter

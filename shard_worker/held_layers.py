@@ -12,13 +12,7 @@ import numpy as np
 
 from common.layer_range import LayerRange
 from common.layer_runner import LayerRunner, RowsError, select_slots
-from common.model_config import ModelConfig
-from common.model_parts import load_model_parts
-from common.proto_gen import wedlm_pb2 as pb
-from common.rows_spec import RowsSpec
-from common.tensor_codec import decode, frame, wire_form
-from common.wire_frames import TensorFrame
-from shard_worker.layer_sizes import (
+from common.layer_sizes import (
     DTYPE_NAMES,
     compute_dtype,
     estimated_layer_bytes,
@@ -26,6 +20,12 @@ from shard_worker.layer_sizes import (
     loaded_layer_bytes,
     parts_dtype,
 )
+from common.model_config import ModelConfig
+from common.model_parts import load_model_parts
+from common.proto_gen import wedlm_pb2 as pb
+from common.rows_spec import RowsSpec
+from common.tensor_codec import decode, frame, wire_form
+from common.wire_frames import TensorFrame
 
 
 @dataclass(frozen=True)

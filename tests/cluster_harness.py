@@ -107,7 +107,7 @@ def start_coordinator(model: Path, cluster: str, *extra: str) -> tuple[Proc, str
     if "--state-dir" not in extra:  # tests keep no jobs unless they say where
         extra = (*extra, "--state-dir", "none")
     proc = spawn(
-        "coordinator.server_cli",
+        "coordinator.service.server_cli",
         "serve",
         "--model",
         str(model),

@@ -18,7 +18,7 @@ from common.call_auth import PROTOCOL_VERSION, ClusterAuthInterceptor
 from common.discovery_record import SERVICE_TYPE, WorkerAdvert
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
-from coordinator.discovery import (
+from coordinator.cluster.discovery import (
     DiscoveredWorker,
     DiscoveryError,
     WorkerBrowser,

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.cluster_client import ClusterError, WedlmClient
-from coordinator.generation_params import GenerationParams
+from coordinator.client.cluster_client import ClusterError, WedlmClient
+from coordinator.engine.generation_params import GenerationParams
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

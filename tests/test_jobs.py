@@ -8,9 +8,9 @@ import sqlite3
 
 import pytest
 
-from coordinator.generation_params import GenerationParams
-from coordinator.job_store import JobStore, JobStoreError
-from coordinator.jobs import JobRegistry
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.service.job_store import JobStore, JobStoreError
+from coordinator.service.jobs import JobRegistry
 
 
 def test_registry_keeps_at_most_keep_finished_jobs(tmp_path):

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.layer_range import LayerRange
-from coordinator.layer_plan import PlanError, WorkerCapacity, plan_layers
+from coordinator.cluster.layer_plan import PlanError, WorkerCapacity, plan_layers
 
 GIB = 1 << 30
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.generation_params import GenerationParams
-from coordinator.local_engine import open_local_engine
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.engine.local_engine import open_local_engine
 from tests.reference_wedlm import reference_generate
 
 FAMILIES = ["wedlm_qwen3", "wedlm_qwen2", "qwen3", "qwen2", "llama", "qwen3_moe"]

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from coordinator.cluster_client import WedlmClient
-from coordinator.generation_params import GenerationParams
-from coordinator.local_engine import open_local_engine
+from coordinator.client.cluster_client import WedlmClient
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.engine.local_engine import open_local_engine
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
 
 STREAMS = 8

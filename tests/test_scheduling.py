@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.engine import Limits
-from coordinator.generation_params import GenerationParams
-from coordinator.local_engine import open_local_engine
-from coordinator.scheduler import QueueFull
+from coordinator.engine.engine import Limits
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.engine.local_engine import open_local_engine
+from coordinator.engine.scheduler import QueueFull
 
 REQUESTS = [
     ("the cat sat on the mat", GenerationParams(threshold=1.5, max_tokens=24)),
@@ -159,7 +159,7 @@ def test_admission_by_kv_memory(model):
 def test_commits_of_a_failed_step_are_not_lost(model):
     """A sequence whose last tokens are known finishes without a forward; if a worker fails
     later in that same step, its final commit is kept for the recovery to deliver."""
-    from coordinator.pipeline import LocalPipeline
+    from coordinator.engine.pipeline import LocalPipeline
 
     local = open_local_engine(model, num_rows=8)
     engine = local.engine
@@ -196,8 +196,8 @@ def test_commits_of_a_failed_step_are_not_lost(model):
 def test_engine_loop_and_heartbeat_stop_and_join(model):
     """The service threads stop on request and can be joined (their stop events must not
     shadow threading.Thread internals)."""
-    from coordinator.engine_loop import EngineLoop
-    from coordinator.heartbeat import Heartbeat
+    from coordinator.cluster.heartbeat import Heartbeat
+    from coordinator.service.engine_loop import EngineLoop
 
     local = open_local_engine(model)
     threads = [EngineLoop(local.engine, local.tokenizer), Heartbeat(lambda: None, period_s=0.05)]

@@ -6,9 +6,9 @@ import pytest
 
 from common.errors import InvalidRequest, WedlmError
 from common.proto_gen import wedlm_pb2 as pb
-from coordinator.generation_params import GenerationParams
-from coordinator.request_parsing import params_from_request, request_from_params
-from coordinator.serve_config import load_serve_config
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.service.request_parsing import params_from_request, request_from_params
+from coordinator.service.serve_config import load_serve_config
 
 
 def test_example_config_loads(tmp_path, monkeypatch):

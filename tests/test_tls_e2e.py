@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from common.tls import load_tls
-from coordinator.cluster_client import ClusterError, WedlmClient
-from coordinator.generation_params import GenerationParams
+from coordinator.client.cluster_client import ClusterError, WedlmClient
+from coordinator.engine.generation_params import GenerationParams
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
 
 

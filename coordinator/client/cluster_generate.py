@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from coordinator.cluster_client import WedlmClient
-from coordinator.generation_params import GenerationParams
+from coordinator.client.cluster_client import WedlmClient
+from coordinator.engine.generation_params import GenerationParams
 
 
 def generate_on_cluster(
@@ -14,7 +14,7 @@ def generate_on_cluster(
 ) -> dict[str, Any]:
     ids = list(args.prompt_ids) if args.prompt_ids else None
     final: dict[str, Any] = {}
-    from coordinator.client_cli import client_tls
+    from coordinator.client.client_cli import client_tls
 
     with WedlmClient(args.cluster, tls=client_tls(args)) as client:
         for event in client.generate_stream(args.prompt, ids, args.chat, params):

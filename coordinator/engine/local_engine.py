@@ -7,8 +7,8 @@ from pathlib import Path
 
 from common.model_parts import load_model_parts
 from common.tokenizer import Tokenizer
-from coordinator.engine import Engine
-from coordinator.pipeline import LocalPipeline
+from coordinator.engine.engine import Engine
+from coordinator.engine.pipeline import LocalPipeline
 
 
 def resolve_model(model: str) -> Path:

@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep serving after the prompt (Ctrl-C stops everything)",
     )
-    from coordinator.client_cli import add_generation_flags
+    from coordinator.client.client_cli import add_generation_flags
 
     add_serve_flags(local)
     local.set_defaults(port=0)
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Settings from --config fill in whatever the command line left at its default."""
     if args.config:
-        from coordinator.serve_config import load_serve_config
+        from coordinator.service.serve_config import load_serve_config
 
         for key, value in load_serve_config(args.config).items():
             if key == "bonjour":
@@ -156,7 +156,7 @@ def state_dir(flag: Path | None) -> Path | None:
 def serve_options(args: argparse.Namespace, **fixed):
     """ServeOptions from the flags `serve` and `local` share, plus `fixed` ones."""
     from common.tls import load_tls
-    from coordinator.server import ServeOptions
+    from coordinator.service.server import ServeOptions
 
     shared = dict(
         host=args.host,
@@ -177,8 +177,8 @@ def serve_options(args: argparse.Namespace, **fixed):
 
 
 def serve(args: argparse.Namespace) -> int:
-    from coordinator.local_engine import resolve_model
-    from coordinator.server import CoordinatorServer
+    from coordinator.engine.local_engine import resolve_model
+    from coordinator.service.server import CoordinatorServer
 
     opts = serve_options(
         args,
@@ -220,7 +220,7 @@ def main(argv: Seq[str] | None = None) -> int:
         if args.command == "serve":
             apply_config(args, args.subparser)
             return serve(args)
-        from coordinator.local_cluster import run_local
+        from coordinator.service.local_cluster import run_local
 
         return run_local(args)
     except WedlmError as e:

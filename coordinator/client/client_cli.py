@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence as Seq
 
 from common.errors import WedlmError
-from coordinator.generation_params import MAX_WINDOW, GenerationParams
+from coordinator.engine.generation_params import MAX_WINDOW, GenerationParams
 
 
 def _id_list(text: str) -> tuple[int, ...]:
@@ -117,11 +117,11 @@ def run_generate(args: argparse.Namespace) -> int:
     params = params_from_args(args)
     stream = None if args.json else sys.stdout
     if args.cluster:
-        from coordinator.cluster_generate import generate_on_cluster
+        from coordinator.client.cluster_generate import generate_on_cluster
 
         result = generate_on_cluster(args, params, stream)
     else:
-        from coordinator.local_generate import generate_locally
+        from coordinator.client.local_generate import generate_locally
 
         result = generate_locally(args, params, stream)
     if args.json:
@@ -132,8 +132,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from coordinator.cluster_client import WedlmClient
-    from coordinator.status_view import format_status
+    from coordinator.client.cluster_client import WedlmClient
+    from coordinator.client.status_view import format_status
 
     with WedlmClient(args.cluster, timeout=10.0, tls=client_tls(args)) as client:
         status = client.status_dict()

@@ -16,14 +16,14 @@ import numpy as np
 
 from common.errors import InvalidRequest
 from common.model_parts import ModelParts
-from coordinator.generation_params import GenerationParams
-from coordinator.pipeline import Pipeline
-from coordinator.row_plan import RowPlan
-from coordinator.sampling import greedy_tokens, sample_tokens
-from coordinator.scheduler import Commit, Limits, Scheduler
-from coordinator.selection import entropy, select_fills
-from coordinator.sequence import Phase, Sequence
-from coordinator.tick_batch import TickBatch, build_batch
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.engine.pipeline import Pipeline
+from coordinator.engine.row_plan import RowPlan
+from coordinator.engine.sampling import greedy_tokens, sample_tokens
+from coordinator.engine.scheduler import Commit, Limits, Scheduler
+from coordinator.engine.selection import entropy, select_fills
+from coordinator.engine.sequence import Phase, Sequence
+from coordinator.engine.tick_batch import TickBatch, build_batch
 
 __all__ = ["Commit", "Engine", "Limits"]
 

@@ -10,13 +10,13 @@ import time
 from collections.abc import Callable
 
 from common.tokenizer import TextStream, Tokenizer
-from coordinator.engine import Engine
-from coordinator.jobs import Job
-from coordinator.metrics import Metrics
-from coordinator.pipeline import Pipeline
-from coordinator.results import error_record, result_record
-from coordinator.scheduler import QueueFull
-from coordinator.sequence import Phase, Sequence
+from coordinator.engine.engine import Engine
+from coordinator.engine.pipeline import Pipeline
+from coordinator.engine.scheduler import QueueFull
+from coordinator.engine.sequence import Phase, Sequence
+from coordinator.service.jobs import Job
+from coordinator.service.metrics import Metrics
+from coordinator.service.results import error_record, result_record
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.sequence import Sequence
+from coordinator.engine.sequence import Sequence
 
 
 def result_record(seq: Sequence, text: str, error: str = "") -> dict[str, Any]:

@@ -12,8 +12,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.errors import WedlmError
-from coordinator.row_plan import RowPlan, apply_result, plan_next
-from coordinator.sequence import Phase, Sequence
+from coordinator.engine.row_plan import RowPlan, apply_result, plan_next
+from coordinator.engine.sequence import Phase, Sequence
 
 PREFILL = -1  # the unit key of prefill micro-batches; decode groups are 0..P-1
 

@@ -19,7 +19,7 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode_frame
 from common.wire_frames import TensorFrame, with_tensor
-from coordinator.worker_link import WorkerCallError, WorkerLink
+from coordinator.cluster.worker_link import WorkerCallError, WorkerLink
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from common.errors import WedlmError
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, open_channel
-from coordinator.generation_params import GenerationParams
-from coordinator.request_parsing import request_from_params
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.service.request_parsing import request_from_params
 
 
 class ClusterError(WedlmError):

@@ -9,7 +9,7 @@ import threading
 
 import grpc
 
-from coordinator.worker_link import WorkerCallError
+from coordinator.cluster.worker_link import WorkerCallError
 
 log = logging.getLogger(__name__)
 

@@ -20,17 +20,17 @@ from common.model_parts import load_model_parts
 from common.proto_gen import wedlm_pb2 as pb
 from common.tls import TlsConfig, bind
 from common.tokenizer import Tokenizer
-from coordinator.cluster_setup import WorkerEntry, assemble, pipeline_links
-from coordinator.discovery import WorkerBrowser, parse_static, wait_for_workers
-from coordinator.engine import Engine, Limits
-from coordinator.engine_loop import EngineLoop
-from coordinator.heartbeat import Heartbeat
-from coordinator.job_store import JobStore
-from coordinator.jobs import JobRegistry
-from coordinator.metrics import Metrics
-from coordinator.remote_pipeline import RemotePipeline
-from coordinator.servicer import CoordinatorServicer
-from coordinator.worker_link import MESSAGE_LIMIT, WorkerCallError
+from coordinator.cluster.cluster_setup import WorkerEntry, assemble, pipeline_links
+from coordinator.cluster.discovery import WorkerBrowser, parse_static, wait_for_workers
+from coordinator.cluster.heartbeat import Heartbeat
+from coordinator.cluster.remote_pipeline import RemotePipeline
+from coordinator.cluster.worker_link import MESSAGE_LIMIT, WorkerCallError
+from coordinator.engine.engine import Engine, Limits
+from coordinator.service.engine_loop import EngineLoop
+from coordinator.service.job_store import JobStore
+from coordinator.service.jobs import JobRegistry
+from coordinator.service.metrics import Metrics
+from coordinator.service.servicer import CoordinatorServicer
 
 log = logging.getLogger(__name__)
 

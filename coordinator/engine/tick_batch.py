@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.rows_spec import RowsSpec
-from coordinator.row_plan import RowPlan
+from coordinator.engine.row_plan import RowPlan
 
 WIDTH_STEP = 8  # batched window widths are padded to multiples of this (bounded shapes)
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.generation_params import GenerationParams
-from coordinator.job_store import JobStore, decode_request, encode_request
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.service.job_store import JobStore, decode_request, encode_request
 
 TERMINAL = ("done", "cancelled", "failed")
 

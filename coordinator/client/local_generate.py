@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from coordinator.generation_params import GenerationParams
-from coordinator.local_engine import open_local_engine
-from coordinator.results import result_record
+from coordinator.engine.generation_params import GenerationParams
+from coordinator.engine.local_engine import open_local_engine
+from coordinator.service.results import result_record
 
 
 def generate_locally(

@@ -13,9 +13,9 @@ from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
 from common.tls import TlsConfig
-from coordinator.discovery import DiscoveredWorker
-from coordinator.layer_plan import PlanError, WorkerCapacity, plan_layers
-from coordinator.worker_link import WorkerCallError, WorkerLink
+from coordinator.cluster.discovery import DiscoveredWorker
+from coordinator.cluster.layer_plan import PlanError, WorkerCapacity, plan_layers
+from coordinator.cluster.worker_link import WorkerCallError, WorkerLink
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from common.errors import InvalidRequest
 from common.proto_gen import wedlm_pb2 as pb
 from common.tokenizer import Tokenizer
-from coordinator.generation_params import GenerationParams
+from coordinator.engine.generation_params import GenerationParams
 
 DEFAULTS = GenerationParams()
 

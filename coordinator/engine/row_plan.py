@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.sequence import Phase, Sequence
+from coordinator.engine.sequence import Phase, Sequence
 
 
 @dataclass

@@ -14,11 +14,11 @@ from common.errors import CheckpointError, InvalidRequest
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tokenizer import Tokenizer
-from coordinator.engine import Engine
-from coordinator.engine_loop import EngineLoop
-from coordinator.job_store import JobStoreError
-from coordinator.jobs import Job, JobRegistry
-from coordinator.request_parsing import params_from_request, prompt_from_request
+from coordinator.engine.engine import Engine
+from coordinator.service.engine_loop import EngineLoop
+from coordinator.service.job_store import JobStoreError
+from coordinator.service.jobs import Job, JobRegistry
+from coordinator.service.request_parsing import params_from_request, prompt_from_request
 
 MAX_WAIT_S = 3600.0
 
