@@ -34,7 +34,7 @@ from common.model_config import load_model_config
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode_frame
 from coordinator.client.cluster_client import WedlmClient
-from coordinator.cluster.remote_pipeline import forward_request
+from coordinator.cluster.worker_chain import forward_request
 from coordinator.cluster.worker_link import WorkerLink
 from coordinator.engine.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine, resolve_model

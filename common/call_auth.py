@@ -2,12 +2,15 @@
 
 Each call carries `x-wedlm-auth: <unix time>:<nonce>:<hex HMAC-SHA256(secret, method|time|nonce)>`,
 so the secret never travels; a signature is valid for a short time and only for its method.
-Protocol version and model identity travel beside it and are checked by the receiver."""
+Protocol version and model identity travel beside it and are checked by the receiver.
+Workers check the same credentials on a relay from their predecessor as on the
+coordinator's calls; every refusal is logged with the caller's address."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import secrets
 import threading
 import time
@@ -17,6 +20,7 @@ import grpc
 
 from common.proto_gen import wedlm_pb2 as pb
 
+log = logging.getLogger(__name__)
 AUTH_KEY = "x-wedlm-auth"
 PROTOCOL_KEY = "x-wedlm-protocol"
 MODEL_KEY = "x-wedlm-model"
@@ -77,8 +81,11 @@ class TokenChecker:
         return None
 
 
-def _abort_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
+def _abort_handler(
+    handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, message: str
+):
     def abort(_request, context):
+        log.warning("refused %s from %s: %s: %s", method, context.peer(), code.name, message)
         context.abort(code, message)
 
     if handler.request_streaming and handler.response_streaming:
@@ -106,18 +113,20 @@ class ClusterAuthInterceptor(grpc.ServerInterceptor):
         md = dict(details.invocation_metadata or ())
         problem = self.checker.check(md.get(AUTH_KEY), details.method)
         if problem:
-            return _abort_handler(handler, grpc.StatusCode.UNAUTHENTICATED, problem)
+            return _abort_handler(handler, details.method, grpc.StatusCode.UNAUTHENTICATED, problem)
         if md.get(PROTOCOL_KEY) != str(PROTOCOL_VERSION):
             return _abort_handler(
                 handler,
+                details.method,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"protocol version {md.get(PROTOCOL_KEY)!r} is not this worker's "
-                f"{PROTOCOL_VERSION}",
+                f"{PROTOCOL_VERSION} (install the same wedlm-cluster version on every machine)",
             )
         model = md.get(MODEL_KEY)
         if model != self.model_identity:
             return _abort_handler(
                 handler,
+                details.method,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"model identity {model!r} differs from this worker's {self.model_identity!r}",
             )

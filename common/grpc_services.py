@@ -12,12 +12,28 @@ from google.protobuf.message import DecodeError
 from common.proto_gen import wedlm_pb2 as pb
 from common.wire_frames import serialize
 
+MESSAGE_LIMIT = 256 * 1024 * 1024
+# Channels between cluster members (coordinator to worker, worker to worker): large
+# messages, and keepalive pings so that a peer that vanished is noticed on an idle link.
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MESSAGE_LIMIT),
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
 _FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
     (True, False): grpc.stream_unary_rpc_method_handler,
     (True, True): grpc.stream_stream_rpc_method_handler,
 }
+
+
+class MalformedRequest(ValueError):
+    """Raised while iterating a request stream at a message whose bytes do not parse
+    (a handler reading its stream on another thread maps it to INVALID_ARGUMENT itself)."""
 
 
 class _Malformed:
@@ -35,17 +51,30 @@ def _lenient(cls) -> Callable[[bytes], object]:
     return parse
 
 
-def _guard(method: Callable, client_streaming: bool) -> Callable:
+def _guard(method: Callable, client_streaming: bool, server_streaming: bool) -> Callable:
     if client_streaming:
 
-        def streaming(requests, context):
-            def checked():
-                for request in requests:
-                    if isinstance(request, _Malformed):
-                        context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                    yield request
+        def checked(requests):
+            for request in requests:
+                if isinstance(request, _Malformed):
+                    raise MalformedRequest(request.message)
+                yield request
 
-            return method(checked(), context)
+        if server_streaming:
+
+            def both(requests, context):
+                try:
+                    yield from method(checked(requests), context)
+                except MalformedRequest as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+            return both
+
+        def streaming(requests, context):
+            try:
+                return method(checked(requests), context)
+            except MalformedRequest as e:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
         return streaming
 
@@ -64,7 +93,7 @@ def add_service(server: grpc.Server, servicer: object, name: str) -> None:
         request_cls = getattr(pb, m.input_type.name)
         factory = _FACTORIES[(m.client_streaming, m.server_streaming)]
         handlers[m.name] = factory(
-            _guard(getattr(servicer, m.name), m.client_streaming),
+            _guard(getattr(servicer, m.name), m.client_streaming, m.server_streaming),
             request_deserializer=_lenient(request_cls),
             response_serializer=serialize,  # messages, or bytes already serialized
         )

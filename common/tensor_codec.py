@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 import numpy as np
 
@@ -22,6 +24,23 @@ MAX_ELEMENTS = 1 << 31
 
 class TensorFormatError(ValueError):
     """A wire tensor whose dtype, shape or byte count is inconsistent."""
+
+
+class WireTensor(NamedTuple):
+    """A wire tensor taken out of its message (see take_tensor): what decode() reads."""
+
+    dtype: int
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def take_tensor(message, field: str = "hidden") -> WireTensor:
+    """Move a message's tensor field out of it, reading the (large) bytes once; the message
+    is left without it, small enough to reuse as the header of a relayed request."""
+    tensor = getattr(message, field)
+    taken = WireTensor(tensor.dtype, tuple(tensor.shape), tensor.data)
+    message.ClearField(field)
+    return taken
 
 
 def wire_form(array: mx.array) -> tuple[int, mx.array]:
@@ -51,7 +70,7 @@ def encode_frame(array: mx.array) -> TensorFrame:
     return frame(*wire_form(array))
 
 
-def decode(tensor: pb.Tensor) -> mx.array:
+def decode(tensor: pb.Tensor | WireTensor) -> mx.array:
     if tensor.dtype not in _FROM_WIRE:
         raise TensorFormatError(f"unknown tensor dtype {tensor.dtype}")
     mx_dtype, np_dtype, view = _FROM_WIRE[tensor.dtype]

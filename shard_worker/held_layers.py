@@ -22,10 +22,16 @@ from common.layer_sizes import (
 )
 from common.model_config import ModelConfig
 from common.model_parts import load_model_parts
-from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
-from common.tensor_codec import decode, frame, wire_form
+from common.tensor_codec import WireTensor, decode, frame, wire_form
 from common.wire_frames import TensorFrame
+
+
+@dataclass
+class LaunchedForward:
+    wire: int  # wire dtype of the result
+    raw: mx.array  # the result as its wire bytes will be read (lazy until finished)
+    started: float
 
 
 @dataclass(frozen=True)
@@ -64,28 +70,41 @@ class HeldLayers:
         self.state = self._describe()
         return self.state
 
-    def forward(
-        self, spec: RowsSpec, hidden: pb.Tensor, reply_slots: np.ndarray | None = None
-    ) -> tuple[TensorFrame, float]:
-        """Hidden states after this worker's layers (only `reply_slots` of each row when
-        given), in the request's wire dtype, and the seconds spent in the layers."""
+    def launch(
+        self, spec: RowsSpec, hidden: WireTensor, reply_slots: np.ndarray | None = None
+    ) -> LaunchedForward:
+        """Build this worker's layers over `hidden` (only `reply_slots` of each row kept
+        when given) and start the device on them; `finish` reads the result."""
         runner = self.runner
         if runner is None:
             raise RowsError(
                 "FAILED_PRECONDITION",
                 "this worker holds no layers yet: it waits for the coordinator's Assign",
             )
+        started = time.perf_counter()
         x = decode(hidden)
         wire_dtype = x.dtype
-        start = time.perf_counter()
-        out = runner.forward(spec, x.astype(self._run_dtype))
+        runner.check(spec, x.shape)
+        out = runner.forward(spec, x.astype(self._run_dtype), validate=False)
         if reply_slots is not None:
             out = select_slots(out, reply_slots)
         wire, raw = wire_form(out.astype(wire_dtype))
-        mx.eval(raw)  # the layers and the wire cast in one evaluation
-        compute_s = time.perf_counter() - start
+        mx.async_eval(raw)  # the layers and the wire cast in one evaluation
+        return LaunchedForward(wire, raw, started)
+
+    def finish(self, launched: LaunchedForward) -> tuple[TensorFrame, float]:
+        """The launched forward's hidden states, in the request's wire dtype, and the
+        seconds from its launch to its result (waiting included for the one before it)."""
+        out = frame(launched.wire, launched.raw)  # reading the buffer waits for the device
+        compute_s = time.perf_counter() - launched.started
         self._refresh_kv()
-        return frame(wire, raw), compute_s
+        return out, compute_s
+
+    def forward(
+        self, spec: RowsSpec, hidden: WireTensor, reply_slots: np.ndarray | None = None
+    ) -> tuple[TensorFrame, float]:
+        """launch + finish, for one forward on its own."""
+        return self.finish(self.launch(spec, hidden, reply_slots))
 
     def release(self, seq_ids: list[int]) -> int:
         runner = self.runner

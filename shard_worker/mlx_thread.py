@@ -1,5 +1,10 @@
 """The one thread that runs MLX in a worker. MLX is not thread-safe, so gRPC handler
-threads never touch it: they submit jobs here and wait on a Future."""
+threads never touch it: they submit jobs here and wait on a Future.
+
+Forwards are pipelined jobs in two halves: `launch` builds the graph and starts the device,
+`finish` waits for it and hands the result on. When the next forward is already queued, it
+is launched before the previous one is finished, so the host builds micro-batch k+1 while
+the device computes k (as mlx-lm overlaps its steps in one process)."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -14,6 +20,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 QUEUE_LIMIT = 64  # jobs waiting; more is overload, answered with RESOURCE_EXHAUSTED
+OVERLAP = 2  # pipelined jobs launched and not yet finished, at most
 
 
 class QueueFull(Exception):
@@ -30,6 +37,14 @@ class _Job:
     args: tuple
     future: Future
     alive: Callable[[], bool] | None
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Pipelined:
+    launch: Callable[[], Any]
+    finish: Callable[[Any], Any]
+    done: Callable[[Any, float], None]  # (result or exception, seconds queued)
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -55,6 +70,22 @@ class MLXThread:
             raise QueueFull(f"{self._jobs.maxsize} jobs are already waiting") from None
         return job.future
 
+    def submit_pipelined(
+        self,
+        launch: Callable[[], Any],
+        finish: Callable[[Any], Any],
+        done: Callable[[Any, float], None],
+    ) -> None:
+        """Run finish(launch()) on the MLX thread, overlapping with the next pipelined job;
+        `done(result_or_exception, queue_s)` is called there, in submission order (a job
+        whose launch fails reports at once)."""
+        if self._stopping:
+            raise ThreadStopped("the worker is shutting down")
+        try:
+            self._jobs.put_nowait(_Pipelined(launch, finish, done))
+        except queue.Full:
+            raise QueueFull(f"{self._jobs.maxsize} jobs are already waiting") from None
+
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Submit and wait (for setup work: loading layers before serving)."""
         return self.submit(fn, *args).result()
@@ -68,7 +99,26 @@ class MLXThread:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        launched: deque[tuple[_Pipelined, Any, float]] = deque()
+        while True:
+            try:  # with forwards on the device, take only work that is already here
+                job = self._jobs.get(block=not launched)
+            except queue.Empty:
+                self._finish(*launched.popleft())
+                continue
+            if job is None:
+                break
+            if isinstance(job, _Pipelined):
+                queued = time.perf_counter() - job.submitted
+                try:
+                    launched.append((job, job.launch(), queued))
+                except BaseException as e:
+                    job.done(e, queued)
+                if len(launched) >= OVERLAP:
+                    self._finish(*launched.popleft())
+                continue
+            while launched:  # other work sees every forward before it completed
+                self._finish(*launched.popleft())
             if job.alive is not None and not job.alive():
                 job.future.cancel()
                 continue
@@ -79,3 +129,16 @@ class MLXThread:
                 job.future.set_result(job.fn(*job.args))
             except BaseException as e:  # handed to the waiting handler, which maps it
                 job.future.set_exception(e)
+        while launched:
+            self._finish(*launched.popleft())
+
+    @staticmethod
+    def _finish(job: _Pipelined, state: Any, queued: float) -> None:
+        try:
+            result = job.finish(state)
+        except BaseException as e:
+            result = e
+        try:
+            job.done(result, queued)
+        except Exception:  # a bug in the receiver must not stop the MLX thread
+            log.exception("a forward's result could not be handed on")

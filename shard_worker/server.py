@@ -22,6 +22,7 @@ from shard_worker.bonjour import BonjourAdvert
 from shard_worker.held_layers import HeldLayers
 from shard_worker.mlx_thread import MLXThread
 from shard_worker.servicer import WorkerIdentity, WorkerServicer
+from shard_worker.stage_route import StageRoute
 
 SERVICE_NAME = "wedlm.v1.Worker"
 MAX_MESSAGE = 256 << 20
@@ -96,8 +97,14 @@ class WorkerServer:
             model_name=config.path.name,
             device=self.mlx.call(host_info.device_description),
         )
+        self.route = StageRoute(options.secret, config.identity, options.tls)
         self.servicer = WorkerServicer(
-            identity, config, self.layers, self.mlx, on_layers_changed=self._layers_changed
+            identity,
+            config,
+            self.layers,
+            self.mlx,
+            self.route,
+            on_layers_changed=self._layers_changed,
         )
         add_service(self.server, self.servicer, "Worker")
         self.health = health.HealthServicer()
@@ -119,6 +126,7 @@ class WorkerServer:
         self.health.enter_graceful_shutdown()
         if self.bonjour:
             self.bonjour.close()
+        self.route.close()
         self.server.stop(grace).wait(grace + 1.0)
         self.mlx.stop()
 

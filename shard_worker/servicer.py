@@ -4,7 +4,10 @@ thread, and maps every refusal to a precise status. A refused call ends only tha
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
+import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
@@ -15,18 +18,20 @@ import grpc
 from common import host_info
 from common.call_auth import PROTOCOL_VERSION
 from common.errors import CheckpointError
+from common.grpc_services import MalformedRequest
 from common.layer_range import LayerRange
 from common.layer_runner import RowsError
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
-from common.tensor_codec import TensorFormatError
-from common.wire_frames import with_tensor
+from common.tensor_codec import TensorFormatError, take_tensor
 from shard_worker.forward_request import reply_slots, rows_spec
 from shard_worker.held_layers import HeldLayers
 from shard_worker.mlx_thread import MLXThread, QueueFull, ThreadStopped
+from shard_worker.stage_route import Failure, Plan, ReplyChannel, StageRoute
 
 log = logging.getLogger(__name__)
+_ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d{1,5}")
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ def _status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status a failed job answers with; unexpected errors are logged as bugs."""
     if isinstance(error, RowsError):
         return getattr(grpc.StatusCode, error.code, grpc.StatusCode.INTERNAL), str(error)
+    if isinstance(error, MalformedRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, TensorFormatError):
         return grpc.StatusCode.INVALID_ARGUMENT, f"hidden states: {error}"
     if isinstance(error, QueueFull):
@@ -62,38 +69,137 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         config: ModelConfig,
         layers: HeldLayers,
         mlx: MLXThread,
+        route: StageRoute,
         on_layers_changed: Callable[[], None] = lambda: None,
     ) -> None:
+        self.route = route
         self.identity = identity
         self.config = config
         self.layers = layers
         self.mlx = mlx
         self.on_layers_changed = on_layers_changed  # health status, Bonjour TXT
 
+    # ---- micro-batches ---------------------------------------------------------------
     def Forward(self, request_iterator, context):
-        for request in request_iterator:
-            yield self._forward(request, context)
+        """The coordinator's stream. Its requests enter this stage; replies (when this is
+        the last stage) and a broken relay come back on it."""
+        channel = self.route.attach()
+        reader = threading.Thread(
+            target=self._take_all, args=(request_iterator, channel), daemon=True
+        )
+        reader.start()
+        for item in channel.items():
+            if isinstance(item, Failure):
+                self.route.detach(channel)
+                context.abort(item.code, item.message)
+            yield item
+        self.route.detach(channel)
 
-    def _forward(self, request: pb.ForwardRequest, context) -> bytes:
-        """The serialized reply (its hidden states framed by hand: one copy)."""
-        if self.layers.state.layer_range is None:
+    def Relay(self, request_iterator, context):
+        """The predecessor's stream: its outputs are this stage's inputs."""
+        plan = self.route.plan
+        if not plan.prev_stage:
+            log.warning(
+                "refused a relay from %s: this stage is fed by the coordinator", context.peer()
+            )
             context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this worker takes no relays under plan {plan.epoch}: the coordinator feeds it",
+            )
+        received = self._take_all(request_iterator, None, context)
+        return pb.RelayReply(received=received)
+
+    def _take_all(self, requests, channel: ReplyChannel | None, context=None) -> int:
+        """Take every request of one stream; stop at the first refused one (reported to the
+        coordinator, and for a relay also to the sender)."""
+        taken, problem = 0, None
+        try:
+            for request in requests:
+                problem = self._take(request, channel)
+                if problem is not None:
+                    break
+                taken += 1
+        except grpc.RpcError:  # the sender went away: it reports for itself
+            pass
+        except Exception as e:  # a malformed frame
+            problem = _status(e)
+        if problem is not None:
+            self.route.fail(*problem, origin=channel)
+        if channel is not None:
+            self._close_after_outputs(channel)
+        if problem is not None and context is not None:
+            context.abort(*problem)
+        return taken
+
+    def _close_after_outputs(self, channel: ReplyChannel) -> None:
+        """End the stream once the forwards taken from it have answered (outputs are handed
+        on in submission order, so a no-op job queued now comes after them)."""
+        try:
+            self.mlx.submit_pipelined(lambda: None, lambda _: None, lambda *_: channel.close())
+        except (QueueFull, ThreadStopped):
+            channel.close()
+
+    def _take(self, request: pb.ForwardRequest, origin: ReplyChannel | None):
+        """Validate one micro-batch and queue it on the MLX thread; its output goes where
+        the plan it arrived under says. Returns (code, message) when it is refused."""
+        plan = self.route.plan
+        if request.plan_epoch != plan.epoch:
+            return (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"micro-batch {request.batch_id} belongs to plan {request.plan_epoch}; "
+                f"this worker follows plan {plan.epoch}",
+            )
+        if self.layers.state.layer_range is None:
+            return (
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "this worker holds no layers yet: it waits for the coordinator's Assign",
             )
         try:
             spec = rows_spec(request, self.config.hidden_size, self.config.max_position_embeddings)
-            slots = reply_slots(request, spec)
-            future = self.mlx.submit(
-                self.layers.forward, spec, request.hidden, slots, alive=context.is_active
+            slots = reply_slots(request, spec)  # checked here, applied by the last stage
+            hidden = take_tensor(request)
+            if plan.next_stage:
+                slots = None
+            launch = functools.partial(self.layers.launch, spec, hidden, slots)
+            done = functools.partial(self._done, plan, request, origin)
+            self.mlx.submit_pipelined(launch, self.layers.finish, done)
+        except Exception as e:
+            return _status(e)
+        return None
+
+    def _done(
+        self,
+        plan: Plan,
+        request: pb.ForwardRequest,
+        origin: ReplyChannel | None,
+        result,
+        queue_s: float,
+    ) -> None:
+        """On the MLX thread, in order: hand the output on (nothing here blocks)."""
+        if isinstance(result, BaseException):
+            self.route.fail(*_status(result), origin=origin)
+            return
+        hidden, compute_s = result
+        request.stage_compute_s.append(compute_s)
+        reply = pb.ForwardReply(
+            batch_id=request.batch_id,
+            compute_s=compute_s,
+            queue_s=queue_s,
+            stage_compute_s=request.stage_compute_s,
+        )
+        self.route.deliver(plan, request, reply, hidden, origin)
+
+    def Route(self, request: pb.RouteRequest, context) -> pb.WorkerInfo:
+        if request.next_stage and not _ADDRESS.fullmatch(request.next_stage):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"next_stage {request.next_stage!r} is not HOST:PORT",
             )
-            hidden, compute_s = future.result()
+        try:
+            self.route.follow(Plan(request.plan_epoch, request.next_stage, request.prev_stage))
         except Exception as e:
             self._abort(context, e)
-        header = pb.ForwardReply(
-            batch_id=request.batch_id, compute_s=compute_s, queue_s=future.queue_s
-        )
-        return with_tensor(header, "hidden", hidden)
+        return self.info()
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
         try:
@@ -152,6 +258,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv_sequences=state.kv_sequences,
             kv_bytes=state.kv_bytes,
             hidden_dtype=state.dtype,
+            plan_epoch=self.route.plan.epoch,
+            next_stage=self.route.plan.next_stage,
         )
 
     @staticmethod

@@ -71,7 +71,15 @@ def test_two_workers_over_bonjour_match_single_process(bonjour_cluster, model5):
     serving = [w for w in status.workers if w.health == "serving"]
     assert status.state == "serving" and len(serving) == 2
     ranges = sorted((w.info.layer_start, w.info.layer_end) for w in serving)
-    assert ranges[0][0] == 0 and ranges[-1][1] == 4 and ranges[0][1] + 1 == ranges[1][0]
+    own = [int(x) for x in status.local_layers.split("-")]  # the coordinator's, first
+    ranges = [tuple(own), *ranges]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 4
+    assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    # protocol 3: each stage knows its successor; the last answers the coordinator
+    by_start = sorted(serving, key=lambda w: w.info.layer_start)
+    assert by_start[0].info.next_stage == by_start[1].address
+    assert by_start[1].info.next_stage == ""
+    assert {w.info.plan_epoch for w in serving} == {status.plan_epoch}
     assert all(w.source == "bonjour" for w in serving)
     assert all(w.timing.roundtrip_s > 0 for w in serving)
 
@@ -207,8 +215,17 @@ def test_bad_tilings_are_reported(model5, ranges, message):
             proc, address = start_worker(model5, name, "--layers", layers, "--no-bonjour")
             procs.append(proc)
             extra += ["--worker", address]
+        # A gap may yet be filled by a worker that starts later: the coordinator waits
+        # (--wait-for-workers) before it says so; overlapping ranges stop it at once.
         coord, _ = start_coordinator(
-            model5, name, "--no-bonjour", "--expect", str(len(ranges)), *extra
+            model5,
+            name,
+            "--no-bonjour",
+            "--expect",
+            str(len(ranges)),
+            "--wait-for-workers",
+            "4",
+            *extra,
         )
         procs.append(coord)
         code, output = coord.wait_exit(120)

@@ -77,7 +77,15 @@ def test_tls_cluster_end_to_end(checkpoint_dir, pki):
             str(pki / "ca.pem"),
         ]
         intruder, _ = start_coordinator(
-            model, name, "--no-bonjour", "--worker", waddr, "--wait-timeout", "20", *bad
+            model,
+            name,
+            "--no-bonjour",
+            "--no-local-layers",
+            "--worker",
+            waddr,
+            "--wait-for-workers",
+            "10",
+            *bad,
         )
         procs.append(intruder)
         code, output = intruder.wait_exit(90)

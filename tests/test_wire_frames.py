@@ -10,7 +10,7 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode, encode_frame
 from common.wire_frames import TensorFrame, serialize, with_tensor
-from coordinator.cluster.remote_pipeline import forward_request
+from coordinator.cluster.worker_chain import forward_request
 
 SHAPES = [(1, 3, 8), (2, 16, 64), (0, 1, 8), (1, 70_000, 1)]  # 70,000: a 3-byte length
 

@@ -39,7 +39,7 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode
-from coordinator.cluster.remote_pipeline import forward_request
+from coordinator.cluster.worker_chain import forward_request
 
 SECRET = "test-secret"
 LINE = re.compile(r"^wedlm-worker (\S+) listening on (\S+):(\d+) layers (\S+) \(model (\w+)\)$")

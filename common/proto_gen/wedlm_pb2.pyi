@@ -36,7 +36,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("batch_id", "seq_ids", "committed", "widths", "keep", "filled", "positions", "hidden", "reply_rows")
+    __slots__ = ("batch_id", "seq_ids", "committed", "widths", "keep", "filled", "positions", "hidden", "reply_rows", "plan_epoch", "stage_compute_s")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,8 @@ class ForwardRequest(_message.Message):
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     REPLY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STAGE_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     committed: _containers.RepeatedScalarFieldContainer[int]
@@ -55,7 +57,9 @@ class ForwardRequest(_message.Message):
     positions: _containers.RepeatedScalarFieldContainer[int]
     hidden: Tensor
     reply_rows: RowSelection
-    def __init__(self, batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., committed: _Optional[_Iterable[int]] = ..., widths: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., filled: _Optional[bytes] = ..., positions: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., reply_rows: _Optional[_Union[RowSelection, _Mapping]] = ...) -> None: ...
+    plan_epoch: int
+    stage_compute_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., committed: _Optional[_Iterable[int]] = ..., widths: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., filled: _Optional[bytes] = ..., positions: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., reply_rows: _Optional[_Union[RowSelection, _Mapping]] = ..., plan_epoch: _Optional[int] = ..., stage_compute_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RowSelection(_message.Message):
     __slots__ = ("per_row", "slots")
@@ -66,16 +70,34 @@ class RowSelection(_message.Message):
     def __init__(self, per_row: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("batch_id", "hidden", "compute_s", "queue_s")
+    __slots__ = ("batch_id", "hidden", "compute_s", "queue_s", "stage_compute_s")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    STAGE_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     hidden: Tensor
     compute_s: float
     queue_s: float
-    def __init__(self, batch_id: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    stage_compute_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, batch_id: _Optional[int] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., compute_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., stage_compute_s: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class RelayReply(_message.Message):
+    __slots__ = ("received",)
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    received: int
+    def __init__(self, received: _Optional[int] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("plan_epoch", "next_stage", "prev_stage")
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STAGE_FIELD_NUMBER: _ClassVar[int]
+    PREV_STAGE_FIELD_NUMBER: _ClassVar[int]
+    plan_epoch: int
+    next_stage: str
+    prev_stage: str
+    def __init__(self, plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ..., prev_stage: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)
@@ -104,7 +126,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype")
+    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype", "plan_epoch", "next_stage")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +145,8 @@ class WorkerInfo(_message.Message):
     KV_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STAGE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     protocol_version: int
@@ -141,7 +165,9 @@ class WorkerInfo(_message.Message):
     kv_sequences: int
     kv_bytes: int
     hidden_dtype: str
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ...) -> None: ...
+    plan_epoch: int
+    next_stage: str
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -290,20 +316,26 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., address: _Optional[str] = ..., source: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ...) -> None: ...
 
 class ClusterStatusReply(_message.Message):
-    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity")
+    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     state: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     running: int
     queued: int
     model_identity: str
-    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ...) -> None: ...
+    waiting_for: str
+    local_layers: str
+    plan_epoch: int
+    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -41,6 +41,16 @@ class WorkerStub:
                 request_serializer=wedlm__pb2.ForwardRequest.SerializeToString,
                 response_deserializer=wedlm__pb2.ForwardReply.FromString,
                 _registered_method=True)
+        self.Relay = channel.stream_unary(
+                '/wedlm.v1.Worker/Relay',
+                request_serializer=wedlm__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=wedlm__pb2.RelayReply.FromString,
+                _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/wedlm.v1.Worker/Route',
+                request_serializer=wedlm__pb2.RouteRequest.SerializeToString,
+                response_deserializer=wedlm__pb2.WorkerInfo.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/wedlm.v1.Worker/Release',
                 request_serializer=wedlm__pb2.ReleaseRequest.SerializeToString,
@@ -64,8 +74,27 @@ class WorkerServicer:
     """
 
     def Forward(self, request_iterator, context):
-        """A long-lived stream: the coordinator sends micro-batches, the worker answers each
-        with the hidden states after its layers, in order.
+        """A long-lived stream from the coordinator. Micro-batches sent on it enter this stage
+        (the first remote stage); whatever this stage computes goes to its successor (Relay)
+        or, if it is the last stage, comes back on this stream as replies, in order. A stage
+        that cannot relay (its successor is gone) ends this stream with the reason, which is
+        how the coordinator learns of a broken link. Each worker keeps one such stream: a new
+        one replaces the old.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Relay(self, request_iterator, context):
+        """Stage to stage: the predecessor's outputs, as requests to this stage's layers. Only
+        accepted with the cluster's credentials and the current plan_epoch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Route(self, request, context):
+        """Where this stage's outputs go under plan `plan_epoch` (sent after Assign, every plan).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +127,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Forward,
                     request_deserializer=wedlm__pb2.ForwardRequest.FromString,
                     response_serializer=wedlm__pb2.ForwardReply.SerializeToString,
+            ),
+            'Relay': grpc.stream_unary_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=wedlm__pb2.ForwardRequest.FromString,
+                    response_serializer=wedlm__pb2.RelayReply.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=wedlm__pb2.RouteRequest.FromString,
+                    response_serializer=wedlm__pb2.WorkerInfo.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -144,6 +183,60 @@ class Worker:
             '/wedlm.v1.Worker/Forward',
             wedlm__pb2.ForwardRequest.SerializeToString,
             wedlm__pb2.ForwardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/wedlm.v1.Worker/Relay',
+            wedlm__pb2.ForwardRequest.SerializeToString,
+            wedlm__pb2.RelayReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wedlm.v1.Worker/Route',
+            wedlm__pb2.RouteRequest.SerializeToString,
+            wedlm__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,7 @@
 """From candidate workers to a pipeline: verify each candidate (an advertisement is
-spoofable, so identity is checked on connect), plan layer ranges, assign the ranges of
-workers that have none, and order the links by layer."""
+spoofable, so identity is checked on connect), plan layer ranges over the coordinator and
+the workers, assign the ranges of workers that have none, order the links by layer and
+tell each stage its successor (Route)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,85 @@ def probe(
     return entry
 
 
+LOCAL = "coordinator"  # the coordinator's own key in a plan
+
+
+@dataclass(frozen=True)
+class LocalMember:
+    """The coordinator as a pipeline stage: it can only hold the first layers (next to the
+    embedding), so a plan that would give it a later range leaves it without layers."""
+
+    available_bytes: int  # what it could give to layers and KV (its held layers included)
+    fixed: LayerRange | None = None  # --layers
+
+
+@dataclass
+class Assembly:
+    entries: list[WorkerEntry]  # every candidate; the serving ones with layers, in order
+    local: LayerRange | None  # the coordinator's own range
+    epoch: int = 0
+
+    @property
+    def links(self) -> list[WorkerLink]:
+        return pipeline_links(self.entries)
+
+    def layout(self) -> str:
+        stages = [f"coordinator [{self.local}]"] if self.local else []
+        stages += [f"{e.address} [{e.layers}]" for e in self.entries if e.layers is not None]
+        return ", ".join(stages)
+
+
+def probe_all(
+    candidates: list[DiscoveredWorker],
+    config: ModelConfig,
+    secret: str | None,
+    cluster: str,
+    timeout_s: float = 5.0,
+    tls: TlsConfig | None = None,
+) -> list[WorkerEntry]:
+    if not candidates:
+        return []
+    with ThreadPoolExecutor(min(len(candidates), 16)) as pool:
+        return list(
+            pool.map(lambda c: probe(c, config, secret, cluster, timeout_s, tls), candidates)
+        )
+
+
+def plan_stages(
+    entries: list[WorkerEntry],
+    config: ModelConfig,
+    kv_reserve_tokens: int,
+    local: LocalMember | None,
+) -> dict[str, LayerRange]:
+    """Layer ranges of the coordinator (key LOCAL) and the serving workers; raises
+    PlanError when no valid plan exists."""
+    usable = [e for e in entries if e.health == "serving"]
+    if not usable and local is None:
+        details = "; ".join(f"{e.address}: {e.detail}" for e in entries) or "none found"
+        raise PlanError(f"no usable worker ({details})")
+    per_layer = layer_nbytes(config.path)
+    dtype_bytes = 2 if str(config.raw.get("torch_dtype", "")).endswith("16") else 4
+    workers = [WorkerCapacity(e.address, _room(e, per_layer), _fixed(e)) for e in usable]
+    kv = kv_bytes_per_layer(config, kv_reserve_tokens, dtype_bytes)
+    if local is not None:
+        try:
+            plan = plan_layers(
+                config.num_layers,
+                [WorkerCapacity(LOCAL, local.available_bytes, local.fixed), *workers],
+                per_layer,
+                kv,
+            )
+        except PlanError:
+            if local.fixed is not None or not workers:
+                raise
+            plan = None
+        if plan is not None and (LOCAL not in plan or plan[LOCAL].start == 0):
+            return plan
+        if not workers:
+            raise PlanError("the coordinator can only hold the first layers")
+    return plan_layers(config.num_layers, workers, per_layer, kv)
+
+
 def assemble(
     candidates: list[DiscoveredWorker],
     config: ModelConfig,
@@ -78,26 +158,20 @@ def assemble(
     kv_reserve_tokens: int,
     probe_timeout_s: float = 5.0,
     tls: TlsConfig | None = None,
-) -> list[WorkerEntry]:
-    """Probe, plan and assign. Returns every candidate's entry; the serving ones, in layer
-    order, form the pipeline. Raises PlanError when no valid plan exists."""
-    entries = [probe(c, config, secret, cluster, probe_timeout_s, tls) for c in candidates]
-    usable = [e for e in entries if e.health == "serving"]
-    if not usable:
-        details = "; ".join(f"{e.address}: {e.detail}" for e in entries) or "none found"
-        raise PlanError(f"no usable worker ({details})")
-    per_layer = layer_nbytes(config.path)
-    dtype_bytes = 2 if str(config.raw.get("torch_dtype", "")).endswith("16") else 4
-    plan = plan_layers(
-        config.num_layers,
-        [WorkerCapacity(e.address, int(e.info.memory_available), e.layers) for e in usable],
-        per_layer,
-        kv_bytes_per_layer(config, kv_reserve_tokens, dtype_bytes),
-    )
+    local: LocalMember | None = None,
+    epoch: int = 0,
+) -> Assembly:
+    """Probe, plan, assign and route. Every candidate gets an entry; the serving ones with
+    layers, in layer order, form the chain behind the coordinator's own range. Raises
+    PlanError when no valid plan exists, WorkerCallError when a worker fails on the way."""
+    entries = probe_all(candidates, config, secret, cluster, probe_timeout_s, tls)
+    plan = plan_stages(entries, config, kv_reserve_tokens, local)
     todo = []
-    for e in usable:
+    for e in entries:
+        if e.health != "serving":
+            continue
         if e.address not in plan:
-            e.health = "spare"
+            e.health, e.layers = "spare", None
             continue
         e.layers = plan[e.address]
         current = LayerRange(e.info.layer_start, e.info.layer_end) if e.info.has_layers else None
@@ -107,7 +181,24 @@ def assemble(
         with ThreadPoolExecutor(len(todo)) as pool:
             for e, info in zip(todo, pool.map(_assign, todo), strict=True):
                 e.info = info
-    return sorted(entries, key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
+    entries.sort(key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
+    _route(entries, epoch)
+    return Assembly(entries, plan.get(LOCAL), epoch)
+
+
+def _route(entries: list[WorkerEntry], epoch: int) -> None:
+    """Tell every stage its successor, the last first: a stage only relays to a successor
+    that already follows the same plan."""
+    stages = [e for e in entries if e.health == "serving" and e.layers is not None]
+    for i in reversed(range(len(stages))):
+        nxt = stages[i + 1].address if i + 1 < len(stages) else ""
+        prev = stages[i - 1].address if i > 0 else ""
+        stages[i].info = stages[i].link.route(epoch, nxt, prev)
+
+
+def _fixed(entry: WorkerEntry) -> LayerRange | None:
+    info = entry.info
+    return LayerRange(info.layer_start, info.layer_end) if info.fixed_range else None
 
 
 def _assign(entry: WorkerEntry) -> pb.WorkerInfo:

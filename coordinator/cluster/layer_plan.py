@@ -42,7 +42,12 @@ class WorkerCapacity:
 
 
 class PlanError(WedlmError):
-    """No plan exists for these workers; the message names the workers and layers at fault."""
+    """No plan exists for these workers; the message names the workers and layers at fault.
+    `final`: no worker that joins later can fix it (overlapping or impossible --layers)."""
+
+    def __init__(self, message: str, final: bool = False) -> None:
+        super().__init__(message)
+        self.final = final
 
 
 def plan_layers(
@@ -60,11 +65,13 @@ def plan_layers(
     keys = [w.key for w in workers]
     twice = sorted({k for k in keys if keys.count(k) > 1})
     if twice:
-        raise PlanError(f"worker {', '.join(twice)} is listed twice")
+        raise PlanError(f"worker {', '.join(twice)} is listed twice", final=True)
 
     fixed = [w for w in workers if w.fixed is not None]
     free = [w for w in workers if w.fixed is None]
     problems = _fixed_problems(num_layers, fixed)
+    if problems:
+        raise PlanError("; ".join(problems), final=True)
     gaps = _gaps(num_layers, fixed)
     if not free:
         problems += [f"{_span(g.start, g.end)} held by no worker" for g in gaps]

@@ -1,5 +1,6 @@
 """The coordinator's connection to one worker: a long-lived Forward stream (requests go out
-as they are sent, replies come back in order) plus unary calls, each with a deadline."""
+as they are sent; replies, when the worker is the last stage, come back in order) plus
+unary calls, each with a deadline."""
 
 from __future__ import annotations
 
@@ -14,20 +15,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.call_auth import call_metadata
+from common.grpc_services import CHANNEL_OPTIONS
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, open_channel
 from common.wire_frames import serialize
 
 log = logging.getLogger(__name__)
-MESSAGE_LIMIT = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MESSAGE_LIMIT),
-    ("grpc.max_receive_message_length", MESSAGE_LIMIT),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
 _CLOSE = object()
 
 
@@ -101,6 +95,10 @@ class WorkerLink:
     def assign(self, start: int, end: int, timeout: float = 600.0) -> pb.WorkerInfo:
         return self._unary("Assign", pb.AssignRequest(layer_start=start, layer_end=end), timeout)
 
+    def route(self, epoch: int, next_stage: str, prev_stage: str) -> pb.WorkerInfo:
+        request = pb.RouteRequest(plan_epoch=epoch, next_stage=next_stage, prev_stage=prev_stage)
+        return self._unary("Route", request)
+
     def release(self, seq_ids: list[int]) -> pb.ReleaseReply:
         return self._unary("Release", pb.ReleaseRequest(seq_ids=seq_ids))
 
@@ -149,19 +147,27 @@ class WorkerLink:
             self._deliver(error)
 
     def _deliver(self, item: pb.ForwardReply | WorkerCallError) -> None:
+        if self.on_reply is not None:  # a chain: it keeps the timings of every stage
+            self.on_reply(item)
+            return
         if isinstance(item, pb.ForwardReply):
             sent = self._sent_at.pop(0) if self._sent_at else time.perf_counter()
             self.stats.add(item.compute_s, time.perf_counter() - sent)
-        if self.on_reply is not None:
-            self.on_reply(item)
-        else:
-            self._replies.put(item)
+        self._replies.put(item)
+
+    def open(self) -> None:
+        """Open the Forward stream now (the last stage answers on it without being sent
+        anything; any stage reports a broken relay on it)."""
+        with self._lock:
+            if self._outbox is None:
+                self._open_stream()
 
     def send(self, request: pb.ForwardRequest | bytes) -> None:
         with self._lock:
             if self._outbox is None:
                 self._open_stream()
-            self._sent_at.append(time.perf_counter())
+            if self.on_reply is None:
+                self._sent_at.append(time.perf_counter())
             self._outbox.put(request)
 
     def receive(self, timeout: float | None = None) -> pb.ForwardReply:

@@ -1,6 +1,9 @@
-"""Where the transformer layers run. The engine submits each micro-batch's hidden states
-and row spec to a pipeline and later collects the last layer's hidden states, in order.
-This one runs the layers in-process; RemotePipeline sends them through the workers."""
+"""Where the transformer layers run. A pipeline is a list of stages: the coordinator's own
+layer range, run in-process by the engine thread right after the embedding, then the
+workers' chain (the workers relay to each other; the last answers). Either part may be
+absent: a coordinator alone holds every layer, one started with --no-local-layers holds
+none. The engine submits each micro-batch's hidden states and row spec and later collects
+the last layer's hidden states, in order."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import numpy as np
 from common.layer_runner import LayerRunner, select_slots
 from common.model_parts import ModelParts
 from common.rows_spec import RowsSpec
+from common.tensor_codec import frame, wire_form
+from common.wire_frames import TensorFrame
 
 
 class Pipeline(Protocol):
@@ -34,13 +39,46 @@ class Pipeline(Protocol):
         workers have done it: only for ids that no later forward will use again."""
 
 
-class LocalPipeline:
-    def __init__(self, parts: ModelParts) -> None:
-        self.runner = LayerRunner(parts)
-        self._done: deque[tuple[int, mx.array]] = deque()
+class Chain(Protocol):
+    """The workers' part of a pipeline (coordinator/cluster/worker_chain.py)."""
 
-    def forward(self, spec: RowsSpec, hidden: mx.array) -> mx.array:
-        return self.runner.forward(spec, hidden, validate=False)
+    links: list
+    broken: Exception | None
+
+    def send(self, batch_id: int, spec: RowsSpec, hidden: TensorFrame, reply_slots=None): ...
+
+    def collect(self) -> tuple[int, mx.array]: ...
+
+    def release(self, seq_ids: list[int], wait: bool = True) -> None: ...
+
+    def abort(self, error: Exception) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StagePipeline:
+    def __init__(self, local: LayerRunner | None, chain: Chain | None = None) -> None:
+        if local is None and chain is None:
+            raise ValueError("a pipeline needs at least one stage")
+        self.local = local  # the coordinator's own layers, first
+        self.chain = chain  # then the workers, in layer order
+        self._done: deque[tuple[int, mx.array]] = deque()
+        # Micro-batches whose local layers are launched but not yet sent to the workers:
+        # sent when the engine next waits for a reply, so building the next graph and
+        # the device computing this one overlap.
+        self._unsent: deque[tuple[int, RowsSpec, np.ndarray | None, int, mx.array]] = deque()
+
+    @property
+    def links(self) -> list:
+        return self.chain.links if self.chain is not None else []
+
+    @property
+    def broken(self) -> Exception | None:
+        return self.chain.broken if self.chain is not None else None
+
+    @property
+    def stages(self) -> int:
+        return (self.local is not None) + len(self.links)
 
     def submit(
         self,
@@ -49,14 +87,54 @@ class LocalPipeline:
         hidden: mx.array,
         reply_slots: np.ndarray | None = None,
     ) -> None:
-        out = self.runner.forward(spec, hidden, validate=False)  # the engine built the spec
-        if reply_slots is not None:
-            out = select_slots(out, reply_slots)
-        mx.async_eval(out)  # the device starts while the host plans the next micro-batch
-        self._done.append((batch_id, out))
+        if self.chain is not None and self.chain.broken is not None:
+            raise self.chain.broken
+        if self.local is not None:  # the engine built the spec itself: no validation
+            hidden = self.local.forward(spec, hidden, validate=False)
+        if self.chain is None:
+            out = select_slots(hidden, reply_slots) if reply_slots is not None else hidden
+            mx.async_eval(out)  # the device starts while the host plans the next one
+            self._done.append((batch_id, out))
+            return
+        wire, raw = wire_form(hidden)
+        mx.async_eval(raw)
+        self._unsent.append((batch_id, spec, reply_slots, wire, raw))
+
+    def _send_launched(self) -> None:
+        while self._unsent:
+            batch_id, spec, reply_slots, wire, raw = self._unsent.popleft()
+            self.chain.send(batch_id, spec, frame(wire, raw), reply_slots)
 
     def collect(self) -> tuple[int, mx.array]:
-        return self._done.popleft()
+        if self.chain is None:
+            return self._done.popleft()
+        self._send_launched()
+        return self.chain.collect()
+
+    def forward(self, spec: RowsSpec, hidden: mx.array, batch_id: int = 1 << 40) -> mx.array:
+        """One micro-batch, start to finish (nothing else may be in flight)."""
+        self.submit(batch_id, spec, hidden)
+        return self.collect()[1]
 
     def release(self, seq_ids: list[int], wait: bool = True) -> None:
-        self.runner.release(seq_ids)
+        if self.local is not None:
+            self.local.release(seq_ids)
+        if self.chain is not None:
+            self.chain.release(seq_ids, wait)
+
+    def abort(self, error: Exception) -> None:
+        if self.chain is not None:
+            self.chain.abort(error)
+
+    def close(self) -> None:
+        self._unsent.clear()
+        if self.chain is not None:
+            self.chain.close()
+
+
+class LocalPipeline(StagePipeline):
+    """Every layer in this process (the single-machine engine)."""
+
+    def __init__(self, parts: ModelParts) -> None:
+        super().__init__(LayerRunner(parts))
+        self.runner = self.local

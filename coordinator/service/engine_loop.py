@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from common.errors import WedlmError
 from common.tokenizer import TextStream, Tokenizer
 from coordinator.engine.engine import Engine
 from coordinator.engine.pipeline import Pipeline
@@ -47,6 +48,7 @@ class EngineLoop(threading.Thread):
         self.inbox: queue.Queue = queue.Queue()
         self._live: dict[int, _Live] = {}
         self._stopping = threading.Event()
+        self._replan: str | None = None  # why the pipeline should be planned anew
         self.ticks = 0
         self.last_progress = time.monotonic()
 
@@ -56,6 +58,12 @@ class EngineLoop(threading.Thread):
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         self.inbox.put(("cancel", job, reason))
+
+    def request_replan(self, reason: str) -> None:
+        """Plan the pipeline anew at the next tick (a worker joined): in-flight forwards
+        are dropped and every live sequence re-prefills, as after a loss."""
+        self._replan = reason
+        self.inbox.put(("wake", None))
 
     def stop(self) -> None:
         self._stopping.set()
@@ -67,6 +75,11 @@ class EngineLoop(threading.Thread):
             self._drain(block=not self.engine.has_work)
             if self._stopping.is_set():
                 break
+            if self._replan is not None:
+                reason, self._replan = self._replan, None
+                log.warning("re-planning: %s", reason)
+                if not self._recover(None):
+                    self._fail_running(WedlmError(f"re-planning failed ({reason})"))
             self._expire()
             if self.engine.has_work:
                 self._tick()
@@ -84,6 +97,8 @@ class EngineLoop(threading.Thread):
                 return
 
     def _handle(self, kind: str, job: Job | None, reason: str = "cancelled") -> None:
+        if kind == "wake":
+            return
         if kind == "submit" and job is not None and not job.finished:
             try:
                 seq = self.engine.submit(job.prompt, job.params)
@@ -115,18 +130,21 @@ class EngineLoop(threading.Thread):
             self._deliver(self.engine.take_undelivered())  # finished before the failure
             if self.recover is not None and self._recover(e):
                 return
-            failed = self.engine.fail_all()
-            for seq in failed:
-                self._finish(seq, "failed", error=str(e))
-            try:  # best effort: reachable workers drop the rows now
-                self.engine.pipeline.release([s.seq_id for s in failed])
-            except Exception as release_error:
-                log.warning("could not release KV after a failure: %s", release_error)
+            self._fail_running(e)
             return
         self.ticks += 1
         self.last_progress = time.monotonic()
         self._deliver(commits)
         self._gauges()
+
+    def _fail_running(self, error: Exception) -> None:
+        failed = self.engine.fail_all()
+        for seq in failed:
+            self._finish(seq, "failed", error=str(error))
+        try:  # best effort: reachable workers drop the rows now
+            self.engine.pipeline.release([s.seq_id for s in failed])
+        except Exception as release_error:
+            log.warning("could not release KV after a failure: %s", release_error)
 
     def _deliver(self, commits) -> None:
         now = time.monotonic()
@@ -141,9 +159,11 @@ class EngineLoop(threading.Thread):
                 self._finish(commit.seq, "done")
         self._mark_started(now)
 
-    def _recover(self, error: Exception) -> bool:
+    def _recover(self, error: Exception | None) -> bool:
         """Re-plan over the workers that are left (or wait for one), then rebuild every
         live sequence's KV from its tokens. Jobs are paused, not lost."""
+        if self.recover is None:
+            return False
         start = time.monotonic()
         result = self.recover(error)
         if result is None:
@@ -178,6 +198,7 @@ class EngineLoop(threading.Thread):
         m.waiting.set(len(engine.waiting))
         m.kv_rows.set(sum(s.kv_length for s in engine.running))
         m.in_flight.set(len(engine.in_flight))
+        m.forward_shapes.set(engine.shapes.count)
         for link in getattr(engine.pipeline, "links", []):
             for value in link.stats.drain_new():
                 m.worker_compute.labels(link.address).observe(value)

@@ -86,8 +86,9 @@ def run_local(args: argparse.Namespace) -> int:
         if server.failed or not server.ready.is_set():
             raise WedlmError(server.failed or "the workers were not found in time")
         address = f"127.0.0.1:{server.port}"
-        layout = ", ".join(f"{e.address} [{e.layers}]" for e in server.entries if e.layers)
-        print(f"local cluster {cluster} at {address}: {layout}", file=sys.stderr, flush=True)
+        print(
+            f"local cluster {cluster} at {address}: {server.layout()}", file=sys.stderr, flush=True
+        )
         if args.prompt or args.prompt_ids:
             _answer(address, args)
         if args.keep_running:

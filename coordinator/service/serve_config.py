@@ -17,7 +17,9 @@ KEYS: dict[str, tuple[type, str]] = {
     "cluster": (str, "cluster name"),
     "secret_file": (str, "file holding the cluster secret"),
     "workers": (list, "static worker addresses HOST:PORT"),
-    "expect": (int, "workers to wait for"),
+    "expect": (int, "workers to wait for before the first plan"),
+    "local_layers": (bool, "the coordinator holds the first layers itself"),
+    "layers": (str, "the coordinator's own layer range A-B (A = 0)"),
     "bonjour": (bool, "find workers over Bonjour"),
     "max_running": (int, "sequences decoded at once"),
     "max_queued": (int, "requests waiting beyond max_running"),
@@ -26,7 +28,8 @@ KEYS: dict[str, tuple[type, str]] = {
     "metrics_port": (int, "Prometheus metrics HTTP port"),
     "kv_reserve_tokens": (int, "KV tokens reserved per worker when planning"),
     "keep_finished": (int, "finished jobs kept for GetJob/WaitJob"),
-    "wait_timeout": (float, "seconds to wait for workers"),
+    "wait_timeout": (float, "seconds to wait for the layers to be covered"),
+    "wait_for_workers": (float, "seconds to wait for the layers to be covered"),
     "state_dir": (str, "folder keeping accepted jobs (SQLite)"),
 }
 
@@ -51,9 +54,11 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
             raise WedlmError(f"{path}: {key} ({what}) must be a {kind.__name__}, got {value!r}")
         if key == "workers" and not all(isinstance(w, str) and ":" in w for w in value):
             raise WedlmError(f'{path}: workers must be a list of "HOST:PORT" strings')
-        if kind in (int, float) and value <= 0 and key != "port":
+        if kind in (int, float) and value <= 0 and key not in ("port", "expect"):
             raise WedlmError(f"{path}: {key} must be positive, got {value}")
-        out[key] = value
+        if key == "expect" and value < 0:
+            raise WedlmError(f"{path}: expect must be 0 or more, got {value}")
+        out["wait_timeout" if key == "wait_for_workers" else key] = value
     if "secret_file" in out:
         secret_path = Path(out.pop("secret_file")).expanduser()
         try:

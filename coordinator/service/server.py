@@ -1,5 +1,7 @@
 """`wedlm-coordinator serve`: load the model's ends and tokenizer, start the gRPC service,
-find and verify workers, plan and assign layers, then start the engine thread."""
+plan the pipeline (the coordinator's own layers and the workers that answer), warm it up,
+then start the engine thread. Workers may start before or after the coordinator: it waits
+until the layers are covered, serves, and takes later workers in by re-planning."""
 
 from __future__ import annotations
 
@@ -14,23 +16,29 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common import host_info
 from common.errors import WedlmError
-from common.grpc_services import add_service
+from common.grpc_services import MESSAGE_LIMIT, add_service
+from common.layer_range import LayerRange
+from common.layer_sizes import compute_dtype, kv_bytes_per_token
 from common.model_parts import load_model_parts
 from common.proto_gen import wedlm_pb2 as pb
 from common.tls import TlsConfig, bind
 from common.tokenizer import Tokenizer
-from coordinator.cluster.cluster_setup import WorkerEntry, assemble, pipeline_links
-from coordinator.cluster.discovery import WorkerBrowser, parse_static, wait_for_workers
+from coordinator.cluster.cluster_setup import WorkerEntry
+from coordinator.cluster.discovery import WorkerBrowser
 from coordinator.cluster.heartbeat import Heartbeat
-from coordinator.cluster.remote_pipeline import RemotePipeline
-from coordinator.cluster.worker_link import MESSAGE_LIMIT, WorkerCallError
+from coordinator.cluster.layer_plan import PlanError
+from coordinator.cluster.worker_link import WorkerCallError
 from coordinator.engine.engine import Engine, Limits
+from coordinator.engine.local_layers import LocalLayers
+from coordinator.engine.pipeline import StagePipeline
 from coordinator.service.engine_loop import EngineLoop
 from coordinator.service.job_store import JobStore
 from coordinator.service.jobs import JobRegistry
 from coordinator.service.metrics import Metrics
 from coordinator.service.servicer import CoordinatorServicer
+from coordinator.service.stage_planner import PlanSettings, StagePlanner
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +51,16 @@ class ServeOptions:
     cluster: str = "default"
     secret: str | None = None
     workers: list[str] = field(default_factory=list)
-    expect: int = 1
+    expect: int = 0  # workers to wait for before the first plan
     bonjour: bool = True
+    local_layers: bool = True  # the coordinator holds the first layers itself
+    layers: LayerRange | None = None  # ... exactly these (--layers; must start at 0)
     max_running: int = 16
     max_queued: int = 256
     max_queued_tokens: int = 1 << 20
     micro_batches: int = 0  # 0: one per pipeline stage
     metrics_port: int | None = None
-    wait_timeout_s: float = 600.0
+    wait_timeout_s: float = 600.0  # --wait-for-workers: then say what is missing
     recovery_timeout_s: float = 600.0  # how long to wait for workers after a loss
     kv_reserve_tokens: int = 32768
     keep_finished: int = 10_000  # finished jobs kept (memory stays bounded by this)
@@ -59,7 +69,10 @@ class ServeOptions:
 
 
 class _NotReady:
-    def submit(self, batch_id, spec, hidden):
+    links = ()
+    broken = None
+
+    def submit(self, batch_id, spec, hidden, reply_slots=None):
         raise WedlmError("no workers are planned yet")
 
     def collect(self):
@@ -93,8 +106,10 @@ class CoordinatorServer:
         self.jobs = JobRegistry(keep_finished=opts.keep_finished, store=store)
         self.loop: EngineLoop | None = None
         self.state = "waiting-for-workers"
-        self.entries: list[WorkerEntry] = []
+        self.waiting = ""  # what the first plan waits for
+        self.local = LocalLayers(self.config, opts.layers) if opts.local_layers else None
         self.browser: WorkerBrowser | None = None
+        self.planner: StagePlanner | None = None
         self.health = health.HealthServicer()
         self.ready = threading.Event()
         self.failed: str | None = None
@@ -133,20 +148,37 @@ class CoordinatorServer:
         self.server.start()
         threading.Thread(target=self._assemble, name="planner", daemon=True).start()
 
+    @property
+    def entries(self) -> list[WorkerEntry]:
+        assembly = self.planner.assembly if self.planner is not None else None
+        return assembly.entries if assembly is not None else []
+
+    def layout(self) -> str:
+        assembly = self.planner.assembly if self.planner is not None else None
+        return assembly.layout() if assembly is not None else ""
+
     def _assemble(self) -> None:
+        """The planner thread: wait for a plan, then start serving (MLX is used here only
+        before the engine thread starts)."""
         opts = self.opts
         try:
-            static = parse_static(opts.workers)
             if opts.bonjour:
                 loopback = opts.host in ("127.0.0.1", "localhost")
                 self.browser = WorkerBrowser(cluster=opts.cluster, loopback_only=loopback)
                 self.browser.start()
-            found = wait_for_workers(self.browser, static, opts.expect, opts.wait_timeout_s)
-            self.state = "planning"
-            self.entries = self._plan_with_retries(found)
-            links = pipeline_links(self.entries)
-            self.engine.use_pipeline(RemotePipeline(links), opts.micro_batches or len(links))
+            settings = PlanSettings(
+                opts.cluster,
+                opts.secret,
+                list(opts.workers),
+                opts.kv_reserve_tokens,
+                opts.micro_batches,
+                opts.tls,
+            )
+            self.planner = StagePlanner(settings, self.config, self.local, self.browser)
+            pipeline, micro_batches = self._first_plan()
+            self.engine.use_pipeline(pipeline, micro_batches)
             self._set_kv_budget()
+            self.warm_up()
             self.loop = EngineLoop(self.engine, self.tokenizer, self.metrics, self.recover)
             self.loop.start()
             for job in self.jobs.restore():  # accepted before a restart: run them now
@@ -155,6 +187,7 @@ class CoordinatorServer:
             self.heartbeat.start()
             self.state = "serving"
             threading.Thread(target=self._watch_readiness, name="readiness", daemon=True).start()
+            threading.Thread(target=self._watch_members, name="members", daemon=True).start()
         except Exception as e:  # whatever it was, say so: never "serve" without a pipeline
             self.failed = str(e) or type(e).__name__
             self.state = "failed"
@@ -162,14 +195,72 @@ class CoordinatorServer:
         finally:
             self.ready.set()
 
+    def _first_plan(self) -> tuple[StagePipeline, int]:
+        """Plan as soon as `--expect` workers are known and the layers can be covered (by
+        the coordinator and whoever answers); until then readiness is NOT_SERVING and
+        `wedlm status` says what is missing. After --wait-for-workers seconds, give up."""
+        opts, planner = self.opts, self.planner
+        deadline = time.monotonic() + opts.wait_timeout_s
+        while not self._stopping.is_set():
+            found = planner.candidates()
+            if len(found) < opts.expect:
+                problem = f"found {len(found)} of the {opts.expect} workers expected"
+                if found:
+                    problem += ": " + ", ".join(c.address for c in found)
+            else:
+                self.state = "planning"
+                try:
+                    return planner.build()
+                except PlanError as e:
+                    if e.final:
+                        raise
+                    problem = str(e)
+                except (WedlmError, WorkerCallError) as e:
+                    problem = str(e)
+            self.state, self.waiting = "waiting-for-workers", problem
+            if time.monotonic() > deadline:
+                rejected = self.browser.rejected() if self.browser is not None else []
+                if rejected:
+                    problem += "; rejected: " + ", ".join(f"{n} ({why})" for n, why in rejected)
+                raise WedlmError(
+                    f"no pipeline after waiting {opts.wait_timeout_s:g} s: {problem} (if "
+                    "multicast is blocked, list workers with --worker HOST:PORT)"
+                )
+            self._stopping.wait(1.0)
+        raise WedlmError("stopped while waiting for workers")
+
+    def warm_up(self) -> None:
+        """Run the bounded shape set once before readiness, so that the first users do
+        not pay for MLX's kernel compilation (on the thread that owns MLX)."""
+
+    def _watch_members(self, period_s: float = 2.0) -> None:
+        """Take in workers that answer after the plan was made (started late, or back
+        after a loss): ask the engine thread to re-plan when one would change the plan."""
+        while not self._stopping.wait(period_s):
+            loop = self.loop
+            if loop is None or self.state != "serving" or self.draining:
+                continue
+            try:
+                joined = self.planner.joiners()
+            except Exception as e:  # never let the watcher die on one bad probe
+                log.warning("membership check failed: %s", e)
+                continue
+            if joined:
+                log.info("%s answered: re-planning to take them in", ", ".join(joined))
+                loop.request_replan(f"{', '.join(joined)} joined")
+
     def _set_kv_budget(self, headroom: float = 0.8) -> None:
-        """KV tokens the tightest worker's measured free memory holds (after its layers),
+        """KV tokens the tightest stage's measured free memory holds (after its layers),
         keeping 20% for activations and the allocator."""
         budgets = [
             int(e.info.memory_available * headroom) // e.info.kv_bytes_per_token
             for e in self.entries
             if e.health == "serving" and e.info is not None and e.info.kv_bytes_per_token
         ]
+        held = self.local.layer_range if self.local is not None else None
+        if held is not None:
+            per_token = kv_bytes_per_token(self.config, compute_dtype(self.config), len(held))
+            budgets.append(int(host_info.memory()[1] * headroom) // per_token)
         self.engine.scheduler.limits.kv_tokens = min(budgets) if budgets else None
         log.info("KV admission budget: %s tokens", self.engine.scheduler.limits.kv_tokens)
 
@@ -202,67 +293,32 @@ class CoordinatorServer:
             job.wait(5.0)
         return len(left)
 
-    def _plan_with_retries(self, found: list) -> list[WorkerEntry]:
-        """Plan and assign; a worker call that fails on the way (one died, or a slow Assign)
-        is transient: probe again. A plan that cannot exist (a gap, an overlap) is not."""
-        opts = self.opts
-        deadline = time.monotonic() + opts.wait_timeout_s
-        while True:
-            try:
-                return assemble(
-                    found,
-                    self.config,
-                    opts.secret,
-                    opts.cluster,
-                    opts.kv_reserve_tokens,
-                    tls=opts.tls,
-                )
-            except WorkerCallError as e:
-                if time.monotonic() > deadline:
-                    raise WedlmError(f"planning failed: {e}") from None
-                log.warning("planning: %s; probing the workers again", e)
-                time.sleep(1.0)
-                found = self._candidates() or found
-
-    def _current_pipeline(self) -> RemotePipeline | None:
+    def _current_pipeline(self) -> StagePipeline | None:
         pipeline = self.engine.pipeline
-        return pipeline if isinstance(pipeline, RemotePipeline) else None
+        return pipeline if isinstance(pipeline, StagePipeline) and pipeline.links else None
 
-    def _candidates(self) -> list:
-        static = parse_static(self.opts.workers)
-        found = self.browser.workers() if self.browser is not None else []
-        seen = {c.address for c in static}
-        return static + [c for c in found if c.address not in seen]
-
-    def recover(self, error: Exception) -> tuple[RemotePipeline, int] | None:
-        """Called by the engine thread after losing a worker: re-plan over the workers that
-        answer now, retrying until one plan works (a fixed range needs its worker back)."""
+    def recover(self, error: Exception | None) -> tuple[StagePipeline, int] | None:
+        """Called by the engine thread after losing a stage (or, with no error, to take in
+        a worker that joined): re-plan over the workers that answer now, retrying until
+        one plan works (a fixed range may need its worker back)."""
         self.state = "recovering"
-        old = self._current_pipeline()
-        if old is not None:
+        old = self.engine.pipeline
+        if isinstance(old, StagePipeline):
             old.close()
         deadline = time.monotonic() + self.opts.recovery_timeout_s
         while time.monotonic() < deadline and not self._stopping.is_set():
             try:
-                entries = assemble(
-                    self._candidates(),
-                    self.config,
-                    self.opts.secret,
-                    self.opts.cluster,
-                    self.opts.kv_reserve_tokens,
-                    probe_timeout_s=2.0,
-                )
-                links = pipeline_links(entries)
+                pipeline, micro_batches = self.planner.build()
             except (WedlmError, WorkerCallError) as e:
                 self.recovery_problem = str(e)
-                log.warning("recovery: %s; retrying", e)
+                log.warning("re-planning: %s; retrying", e)
                 self._stopping.wait(1.0)
                 continue
-            self.entries = entries
             self._set_kv_budget()
+            self.warm_up()
             self.state = "serving"
             self.recovery_problem = ""
-            return RemotePipeline(links), self.opts.micro_batches or len(links)
+            return pipeline, micro_batches
         self.state = "failed"
         return None
 
@@ -273,6 +329,9 @@ class CoordinatorServer:
             model_identity=self.config.identity,
             running=len(self.engine.running),
             queued=len(self.engine.waiting),
+            waiting_for=self._waiting_for(),
+            local_layers=str(self.local.layer_range or "") if self.local is not None else "",
+            plan_epoch=self.planner.epoch if self.planner is not None else 0,
         )
         for e in self.entries:
             status = reply.workers.add(
@@ -288,6 +347,14 @@ class CoordinatorServer:
                 reply.workers.add(address=name, source="bonjour", health="rejected", detail=reason)
         return reply
 
+    def _waiting_for(self) -> str:
+        if self.state in ("waiting-for-workers", "planning"):
+            return self.waiting
+        if self.state == "recovering":
+            return self.recovery_problem
+        listed = self.planner.waiting_for() if self.planner is not None else ""
+        return f"listed workers not in the plan: {listed}" if listed else ""
+
     def stop(self, grace: float = 2.0) -> None:
         self._stopping.set()
         if self.heartbeat is not None:
@@ -298,8 +365,8 @@ class CoordinatorServer:
             self.loop.stop()
         if self.browser is not None:
             self.browser.close()
-        for e in self.entries:
-            if e.link is not None:
-                e.link.close()
+        pipeline = self.engine.pipeline
+        if isinstance(pipeline, StagePipeline):
+            pipeline.close()
         if self.jobs.store is not None:
             self.jobs.store.close()

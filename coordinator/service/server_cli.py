@@ -36,6 +36,40 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _layer_range(text: str):
+    from common.layer_range import LayerRange
+
+    try:
+        layers = LayerRange.parse(text)
+    except WedlmError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if layers.start != 0:
+        raise argparse.ArgumentTypeError(
+            f"the coordinator's layers come right after the embedding: {text} must start at 0"
+        )
+    return layers
+
+
 def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     p.add_argument("--model", required=model_required, help="model folder, or 'default'")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -74,7 +108,27 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         default=10_000,
         help="finished jobs kept for GetJob/WaitJob (the oldest are forgotten beyond it)",
     )
-    p.add_argument("--wait-timeout", type=float, default=600.0, help="seconds to find workers")
+    p.add_argument(
+        "--wait-for-workers",
+        "--wait-timeout",
+        dest="wait_timeout",
+        type=_seconds,
+        default=600.0,
+        help="seconds to wait for the layers to be covered before giving up with a message "
+        "naming what is missing (workers that come later are taken in at any time)",
+    )
+    p.add_argument(
+        "--layers",
+        type=_layer_range,
+        default=None,
+        help="the coordinator holds exactly layers A-B itself (A must be 0: its layers come "
+        "right after the embedding); default: a share of the model planned by memory",
+    )
+    p.add_argument(
+        "--no-local-layers",
+        action="store_true",
+        help="hold no layers in the coordinator (a small machine): workers hold them all",
+    )
     p.add_argument(
         "--tls-cert",
         help="PEM certificate: serve clients over TLS, and present "
@@ -104,7 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="a worker to use besides those found over Bonjour (repeatable)",
     )
-    serve.add_argument("--expect", type=_positive, default=1, help="wait for N workers")
+    serve.add_argument(
+        "--expect",
+        type=_non_negative,
+        default=0,
+        help="wait for N workers before the first plan (default 0: serve as soon as the "
+        "layers are covered, taking later workers in by re-planning)",
+    )
     serve.add_argument("--no-bonjour", action="store_true", help="use only --worker")
     serve.add_argument(
         "--drain-timeout",
@@ -138,10 +198,21 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                 args.no_bonjour = args.no_bonjour or not value
             elif key == "workers":
                 args.worker = args.worker or value
+            elif key == "local_layers":
+                args.no_local_layers = args.no_local_layers or not value
+            elif key == "layers":
+                args.layers = args.layers or _config_layers(value)
             elif getattr(args, key) == parser.get_default(key) or getattr(args, key) is None:
                 setattr(args, key, Path(value) if key == "state_dir" else value)
     if not args.model:
         raise WedlmError("--model is required (on the command line or in --config)")
+
+
+def _config_layers(text: str):
+    try:
+        return _layer_range(text)
+    except argparse.ArgumentTypeError as e:
+        raise WedlmError(f"config: layers: {e}") from None
 
 
 def state_dir(flag: Path | None) -> Path | None:
@@ -171,6 +242,8 @@ def serve_options(args: argparse.Namespace, **fixed):
         wait_timeout_s=args.wait_timeout,
         kv_reserve_tokens=args.kv_reserve_tokens,
         keep_finished=args.keep_finished,
+        local_layers=not args.no_local_layers,
+        layers=args.layers,
         tls=load_tls(args.tls_cert, args.tls_key, args.tls_ca),
     )
     return ServeOptions(**{**shared, **fixed})
@@ -203,8 +276,7 @@ def serve(args: argparse.Namespace) -> int:
     if server.failed:
         server.stop(0)
         raise WedlmError(server.failed)
-    layout = ", ".join(f"{e.address} [{e.layers}]" for e in server.entries if e.layers)
-    print(f"wedlm-coordinator serving {Path(opts.model).name}: {layout}", flush=True)
+    print(f"wedlm-coordinator serving {Path(opts.model).name}: {server.layout()}", flush=True)
     stop.wait()
     cancelled = server.drain(args.drain_timeout)
     print(f"wedlm-coordinator drained ({cancelled} unfinished jobs cancelled)", flush=True)

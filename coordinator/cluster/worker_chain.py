@@ -1,15 +1,16 @@
-"""Runs the layers on the workers. A micro-batch's hidden states go to the first worker;
-each worker's reply is relayed to the next worker as soon as it arrives (by that link's
-reader thread, touching only bytes), so several micro-batches can be in flight at once,
-one per pipeline stage. The last worker's replies come back in order, carrying only the
-slots the coordinator takes logits of."""
+"""The workers' stages as one chain. A micro-batch's hidden states go to the first worker;
+each worker relays its output straight to the next (protocol 3), and the last one answers
+on its Forward stream, carrying only the slots the coordinator takes logits of. The
+coordinator keeps a Forward stream open to every stage: any stage ends its stream with
+the reason when it cannot go on (its successor is gone), so a broken link anywhere breaks
+the chain at once."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
+import time
 
 import grpc
 import mlx.core as mx
@@ -17,7 +18,7 @@ import numpy as np
 
 from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
-from common.tensor_codec import decode, encode_frame
+from common.tensor_codec import decode
 from common.wire_frames import TensorFrame, with_tensor
 from coordinator.cluster.worker_link import WorkerCallError, WorkerLink
 
@@ -29,9 +30,10 @@ def forward_request(
     spec: RowsSpec,
     hidden: pb.Tensor | TensorFrame,
     reply_slots: np.ndarray | None = None,
+    plan_epoch: int = 0,
 ) -> bytes:
     """A serialized ForwardRequest; the hidden states are framed by hand (one copy).
-    `reply_slots` ([B, S]) only for the last worker: the slots its reply carries."""
+    `reply_slots` ([B, S]): the slots the last stage's reply carries."""
     header = pb.ForwardRequest(
         batch_id=batch_id,
         seq_ids=spec.seq_ids,
@@ -40,6 +42,7 @@ def forward_request(
         keep=spec.keeps.tolist(),
         filled=np.ascontiguousarray(spec.filled, dtype=np.uint8).tobytes(),
         positions=spec.starts.tolist(),
+        plan_epoch=plan_epoch,
     )
     if reply_slots is not None:
         header.reply_rows.per_row = reply_slots.shape[1]
@@ -48,59 +51,54 @@ def forward_request(
     return with_tensor(header, "hidden", frame)
 
 
-class RemotePipeline:
-    def __init__(self, links: list[WorkerLink], deadline_s: float = 30.0) -> None:
+class WorkerChain:
+    def __init__(self, links: list[WorkerLink], plan_epoch: int, deadline_s: float = 30.0):
         self.links = links  # in layer order
+        self.plan_epoch = plan_epoch
         self.deadline_s = deadline_s
-        self._ids = itertools.count(1)
-        self._specs: dict[int, tuple[RowsSpec, np.ndarray | None]] = {}
-        self._lock = threading.Lock()
         self._done: queue.Queue = queue.Queue()
-        self.broken: WorkerCallError | None = None  # set once a worker is lost
+        self._sent: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self.broken: WorkerCallError | None = None  # set once a stage is lost
         for stage, link in enumerate(links):
-            link.on_reply = self._relay_from(stage)
+            link.on_reply = self._receiver(stage)
+        for link in links:
+            link.open()
 
-    def _relay_from(self, stage: int):
-        def relay(reply: pb.ForwardReply | WorkerCallError) -> None:
-            if isinstance(reply, WorkerCallError) or stage + 1 == len(self.links):
-                self._done.put(reply)
-                return
-            with self._lock:
-                entry = self._specs.get(reply.batch_id)
-            if entry is None:  # abandoned after a failure
-                return
-            self._send(stage + 1, reply.batch_id, *entry, reply.hidden)
+    def _receiver(self, stage: int):
+        last = stage + 1 == len(self.links)
 
-        return relay
+        def receive(item: pb.ForwardReply | WorkerCallError) -> None:
+            if isinstance(item, WorkerCallError) or last:
+                self._done.put(item)
+            else:  # only the last stage answers: anything else is a protocol error
+                self._done.put(
+                    WorkerCallError(
+                        self.links[stage].address,
+                        grpc.StatusCode.INTERNAL,
+                        "a middle stage answered the coordinator (a worker of another protocol?)",
+                    )
+                )
 
-    def submit(
+        return receive
+
+    def send(
         self,
         batch_id: int,
         spec: RowsSpec,
-        hidden: mx.array,
+        hidden: TensorFrame,
         reply_slots: np.ndarray | None = None,
     ) -> None:
-        """`reply_slots` None: the reply carries every slot (as `forward` needs)."""
+        """Into the first stage; `reply_slots` None: the reply carries every slot."""
         if self.broken is not None:
             raise self.broken
         with self._lock:
-            self._specs[batch_id] = (spec, reply_slots)
-        self._send(0, batch_id, spec, reply_slots, encode_frame(hidden))
-
-    def _send(
-        self,
-        stage: int,
-        batch_id: int,
-        spec: RowsSpec,
-        reply_slots: np.ndarray | None,
-        hidden: pb.Tensor | TensorFrame,
-    ) -> None:
-        """Only the last worker's reply is cut to `reply_slots`: the others feed a worker."""
-        last = stage + 1 == len(self.links)
-        request = forward_request(batch_id, spec, hidden, reply_slots if last else None)
-        self.links[stage].send(request)
+            self._sent[batch_id] = time.perf_counter()
+        request = forward_request(batch_id, spec, hidden, reply_slots, self.plan_epoch)
+        self.links[0].send(request)
 
     def collect(self) -> tuple[int, mx.array]:
+        """The oldest micro-batch's id and final hidden states (blocks)."""
         try:
             reply = self._done.get(timeout=self.deadline_s * len(self.links))
         except queue.Empty:
@@ -108,19 +106,14 @@ class RemotePipeline:
                 "pipeline", grpc.StatusCode.DEADLINE_EXCEEDED, "no reply from the last worker"
             ) from None
         if isinstance(reply, WorkerCallError):
-            with self._lock:
-                self._specs.clear()
             self.broken = reply
             raise reply
         with self._lock:
-            self._specs.pop(reply.batch_id, None)
+            sent = self._sent.pop(reply.batch_id, None)
+        roundtrip = time.perf_counter() - sent if sent is not None else 0.0
+        for link, compute in zip(self.links, reply.stage_compute_s, strict=False):
+            link.stats.add(compute, roundtrip)
         return reply.batch_id, decode(reply.hidden)
-
-    def forward(self, spec: RowsSpec, hidden: mx.array) -> mx.array:
-        """One micro-batch, start to finish (nothing else may be in flight)."""
-        batch_id = next(self._ids) + (1 << 40)
-        self.submit(batch_id, spec, hidden)
-        return self.collect()[1]
 
     def release(self, seq_ids: list[int], wait: bool = True) -> None:
         """Best effort: a worker that cannot be reached holds nothing we will reuse.
@@ -136,7 +129,7 @@ class RemotePipeline:
                 log.warning("release on %s failed: %s", link.address, e)
 
     def abort(self, error: WorkerCallError) -> None:
-        """A worker stopped answering heartbeats: fail what is pending and what comes."""
+        """A stage stopped answering heartbeats: fail what is pending and what comes."""
         self.broken = error
         self._done.put(error)
 

@@ -1,0 +1,148 @@
+"""Plans the pipeline the engine runs on: the coordinator's own layers first, then the
+workers that answer, each told its successor. Every plan has a new epoch; a plan is made at
+start-up, after a loss (recovery) and when a worker joins (the same path: the engine then
+re-prefills every live sequence on the new pipeline). `build` runs on the thread that owns
+MLX, since it may load the coordinator's layers; `joiners` only probes over gRPC."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from common.errors import WedlmError
+from common.model_config import ModelConfig
+from coordinator.cluster.cluster_setup import (
+    LOCAL,
+    Assembly,
+    LocalMember,
+    assemble,
+    plan_stages,
+    probe_all,
+)
+from coordinator.cluster.discovery import DiscoveredWorker, WorkerBrowser, parse_static
+from coordinator.cluster.worker_chain import WorkerChain
+from coordinator.engine.local_layers import LocalLayers
+from coordinator.engine.pipeline import StagePipeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    cluster: str
+    secret: str | None
+    static: list[str]
+    kv_reserve_tokens: int
+    micro_batches: int  # 0: one per stage
+    tls: object = None
+
+
+class StagePlanner:
+    def __init__(
+        self,
+        settings: PlanSettings,
+        config: ModelConfig,
+        local: LocalLayers | None,
+        browser: WorkerBrowser | None,
+    ) -> None:
+        self.settings = settings
+        self.config = config
+        self.local = local  # None: --no-local-layers
+        self.browser = browser
+        self.assembly: Assembly | None = None
+        self.epoch = 0
+        self._lock = threading.Lock()
+
+    def candidates(self) -> list[DiscoveredWorker]:
+        """Listed workers first (in their order), then those found over Bonjour."""
+        static = parse_static(self.settings.static)
+        found = self.browser.workers() if self.browser is not None else []
+        seen = {c.address for c in static}
+        return static + [c for c in found if c.address not in seen]
+
+    def _local_member(self) -> LocalMember | None:
+        if self.local is None:
+            return None
+        return LocalMember(self.local.available_bytes(), self.local.fixed)
+
+    def build(self, probe_timeout_s: float = 2.0) -> tuple[StagePipeline, int]:
+        """Probe, plan, assign, route and load: the new pipeline and its micro-batch count.
+        Raises PlanError / WorkerCallError / WedlmError when no pipeline can be made now."""
+        with self._lock:
+            self.epoch += 1
+            epoch = self.epoch
+        s = self.settings
+        assembly = assemble(
+            self.candidates(),
+            self.config,
+            s.secret,
+            s.cluster,
+            s.kv_reserve_tokens,
+            probe_timeout_s=probe_timeout_s,
+            tls=s.tls,
+            local=self._local_member(),
+            epoch=epoch,
+        )
+        runner = self.local.hold(assembly.local) if self.local is not None else None
+        links = assembly.links
+        chain = WorkerChain(links, epoch) if links else None
+        if runner is None and chain is None:
+            raise WedlmError("the plan holds no layers")  # plan_stages never returns one
+        pipeline = StagePipeline(runner, chain)
+        old, self.assembly = self.assembly, assembly
+        if old is not None:  # links of the previous plan that the new one does not use
+            used = {id(link) for link in links}
+            for e in old.entries:
+                if e.link is not None and id(e.link) not in used:
+                    e.link.close()
+        for e in assembly.entries:  # probe links of workers outside the plan
+            if e.layers is None and e.link is not None:
+                e.link.close()
+        log.info("plan %d: %s", epoch, assembly.layout())
+        return pipeline, s.micro_batches or pipeline.stages
+
+    def joiners(self, probe_timeout_s: float = 1.0) -> list[str]:
+        """Workers that answer now and would change the plan (a new worker, or one that
+        came back): the engine should re-plan to take them in. Only probes; no MLX."""
+        current = self.assembly
+        if current is None:
+            return []
+        known = {e.address for e in current.entries if e.health in ("serving", "spare")}
+        fresh = [c for c in self.candidates() if c.address not in known]
+        if not fresh:
+            return []
+        s = self.settings
+        probed = probe_all(fresh, self.config, s.secret, s.cluster, probe_timeout_s, s.tls)
+        for e in probed:
+            if e.link is not None:
+                e.link.close()
+        arrived = [e for e in probed if e.health == "serving"]
+        if not arrived:
+            return []
+        members = [e for e in current.entries if e.health == "serving"] + arrived
+        local = None
+        if self.local is not None:
+            # The coordinator's memory as if it held nothing, like an unfixed worker's room.
+            local = LocalMember(self.local.available_bytes(), self.local.fixed)
+        try:
+            plan = plan_stages(members, self.config, s.kv_reserve_tokens, local)
+        except WedlmError:
+            return []
+        now = {e.address: e.layers for e in current.entries if e.layers is not None}
+        if current.local is not None:
+            now[LOCAL] = current.local
+        return [e.address for e in arrived] if plan != now else []
+
+    def waiting_for(self) -> str:
+        """Listed workers that are not part of the plan (unreachable or refused)."""
+        current = self.assembly
+        listed = set(self.settings.static)
+        if current is None:
+            return ""
+        missing = [
+            f"{e.address} ({e.health}: {e.detail})" if e.detail else f"{e.address} ({e.health})"
+            for e in current.entries
+            if e.address in listed and e.health in ("unreachable", "rejected")
+        ]
+        return ", ".join(missing)
