@@ -16,7 +16,8 @@ import numpy as np
 
 from common.errors import InvalidRequest
 from common.model_parts import ModelParts
-from coordinator.engine.generation_params import GenerationParams
+from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, row_bucket
+from coordinator.engine.generation_params import MAX_WINDOW, GenerationParams
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sampling import greedy_tokens, sample_tokens
@@ -65,6 +66,7 @@ class Engine:
         # The model's EOS ids and the tokenizer's chat end tokens always stop.
         self.model_stop_ids = tuple(dict.fromkeys(self.config.eos_token_ids + tuple(stop_ids)))
         self.forwards = 0
+        self.shapes = ForwardShapes()  # distinct forward shapes launched (bounded: shape_limits)
         self.undelivered: list[Commit] = []  # commits of a step that then failed
 
     def use_pipeline(self, pipeline: Pipeline, micro_batches: int) -> None:
@@ -149,13 +151,14 @@ class Engine:
         batch = build_batch(plans, padding_ids=self._padding_ids(unit, len(plans)))
         hidden = self.parts.embed(mx.array(batch.tokens))
         batch_id = next(self._batch_ids)
+        self.shapes.record(batch.spec)
         self.pipeline.submit(batch_id, batch.spec, hidden, batch.reply_slots())
         self.in_flight.append(InFlight(batch_id, unit, plans, batch, started))
 
     def _padding_ids(self, unit: int, rows: int) -> list[int]:
         """Row counts are padded to buckets (bounded shapes); padding rows get ids of their
         own per unit, and the ones a unit stops using are released."""
-        pad = _bucket(rows) - rows
+        pad = row_bucket(rows) - rows
         base = (1 << 62) + (unit + 1) * 4096
         ids = {base + i for i in range(pad)}
         stale = self._padding.get(unit, set()) - ids
@@ -215,6 +218,7 @@ class Engine:
         if pad:
             ids = mx.concatenate([ids, mx.zeros((pad, 1), ids.dtype)])
         batch_id = next(self._batch_ids)
+        self.shapes.record(batch.spec)
         self.pipeline.submit(batch_id, batch.spec, self.parts.embed(ids), batch.reply_slots())
         self.in_flight.append(InFlight(batch_id, flight.unit, nxt, batch, started))
         return True
@@ -277,6 +281,15 @@ class Engine:
         s.groups = [[] for _ in range(self.micro_batches)]
         s.busy.clear()
 
+    def shape_limits(self) -> ShapeLimits:
+        """What bounds this engine's forward shapes (`shape_limits().bound()` counts them)."""
+        limits = self.scheduler.limits
+        return ShapeLimits(
+            max_rows=limits.max_running,
+            max_width=max(limits.prefill_chunk, 2 * MAX_WINDOW),
+            max_positions=self.config.max_position_embeddings,
+        )
+
     def take_undelivered(self) -> list[Commit]:
         commits, self.undelivered = self.undelivered, []
         return commits
@@ -295,13 +308,3 @@ class Engine:
             for c in self.step():
                 if c.seq.seq_id in wanted:
                     yield c
-
-
-BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-def _bucket(rows: int) -> int:
-    for b in BUCKETS:
-        if rows <= b:
-            return b
-    return -(-rows // 64) * 64

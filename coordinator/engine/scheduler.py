@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.errors import WedlmError
+from coordinator.engine.forward_shapes import padded_width, row_bucket
 from coordinator.engine.row_plan import RowPlan, apply_result, plan_next
 from coordinator.engine.sequence import Phase, Sequence
 
@@ -154,7 +155,8 @@ class Scheduler:
             if seq.phase is not Phase.PREFILL or seq.finished:
                 continue
             plan = plan_next(seq, self.mask_token_id, self.limits.prefill_chunk)
-            padded = max(width, plan.width) * (len(plans) + 1)
+            # the forward's size once padded (forward_shapes): it stays within the budget
+            padded = padded_width(max(width, plan.width)) * row_bucket(len(plans) + 1)
             if plans and padded > self.limits.prefill_budget:
                 break
             plans.append(plan)

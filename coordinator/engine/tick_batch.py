@@ -9,9 +9,8 @@ import mlx.core as mx
 import numpy as np
 
 from common.rows_spec import RowsSpec
+from coordinator.engine.forward_shapes import padded_width
 from coordinator.engine.row_plan import RowPlan
-
-WIDTH_STEP = 8  # batched window widths are padded to multiples of this (bounded shapes)
 
 
 @dataclass
@@ -80,14 +79,11 @@ class TickBatch:
 def build_batch(plans: list[RowPlan], padding_ids: list[int] = ()) -> TickBatch:
     """Rows for `plans`, then padding rows (ids of their own, one filled slot, nothing kept)
     up to the bucketed row count."""
-    width = max(p.width for p in plans)
+    # WeDLM windows change width (W + p) every step and prompts come in every length:
+    # padding the width to a few values keeps the set of shapes small (a new shape costs a
+    # new kernel/graph; see forward_shapes). AR rows stay 1 wide.
+    width = padded_width(max(p.width for p in plans))
     b = len(plans) + len(padding_ids)
-    # WeDLM windows change width (W + p) every step; padding them to a step keeps the set
-    # of shapes small (a new shape costs a new kernel/graph). A lone prefill or AR row
-    # stays exact so that it takes the plain causal fast path.
-    windowed = any(p.commits or not p.filled.all() for p in plans)
-    if (b > 1 or windowed) and width > 1:
-        width = -(-width // WIDTH_STEP) * WIDTH_STEP
     heads = max(p.head_slots.size for p in plans)
     tokens = np.zeros((b, width), dtype=np.int32)
     filled = np.zeros((b, width), dtype=bool)

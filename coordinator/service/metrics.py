@@ -20,6 +20,9 @@ class Metrics:
         self.in_flight = Gauge(
             "wedlm:micro_batches_in_flight", "Micro-batches in the worker pipeline.", registry=r
         )
+        self.forward_shapes = Gauge(
+            "wedlm:forward_shapes", "Distinct forward shapes run so far.", registry=r
+        )
         self.prompt_tokens = Counter("wedlm:prompt_tokens", "Prefilled prompt tokens.", registry=r)
         self.generation_tokens = Counter(
             "wedlm:generation_tokens", "Committed generated tokens.", registry=r
