@@ -179,9 +179,15 @@ WIRE_DTYPES = st.sampled_from([pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLO
 
 
 def new_rows(
-    seq_ids: list[int], t: int, widths: list[int], keeps: list[int], dtype: int, seed: int
+    seq_ids: list[int],
+    t: int,
+    widths: list[int],
+    keeps: list[int],
+    dtype: int,
+    seed: int,
+    plan_epoch: int = 0,
 ) -> pb.ForwardRequest:
-    """A valid first forward of new sequences (committed 0)."""
+    """A valid first forward of new sequences (committed 0) under plan `plan_epoch`."""
     b = len(seq_ids)
     filled = np.zeros((b, t), np.uint8)
     for row, w in enumerate(widths):
@@ -194,6 +200,7 @@ def new_rows(
         filled=filled.tobytes(),
         positions=[0] * b,
         hidden=hidden_tensor([b, t, HIDDEN], dtype, seed, specials=False),
+        plan_epoch=plan_epoch,
     )
 
 

@@ -4,6 +4,7 @@ engine's, token for token (float32 tiny checkpoints, greedy)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -74,7 +75,7 @@ def test_two_workers_over_bonjour_match_single_process(bonjour_cluster, model5):
     own = [int(x) for x in status.local_layers.split("-")]  # the coordinator's, first
     ranges = [tuple(own), *ranges]
     assert ranges[0][0] == 0 and ranges[-1][1] == 4
-    assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(ranges))
     # protocol 3: each stage knows its successor; the last answers the coordinator
     by_start = sorted(serving, key=lambda w: w.info.layer_start)
     assert by_start[0].info.next_stage == by_start[1].address

@@ -30,6 +30,7 @@ from tests import fuzz_messages as fm
 from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker
 
 SECRET = "fuzz-secret"
+PLAN_EPOCH = 1  # the fuzz cluster's one plan: the worker refuses micro-batches of others
 CALL_S = 10.0  # every call's deadline: reaching it means a hang
 S = grpc.StatusCode
 # Refusals a servicer may answer with (UNAUTHENTICATED only for bad credentials).
@@ -167,6 +168,8 @@ def cluster(checkpoint_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 channel,
             )
             c.assert_serving()
+            info = c.worker_stub.Info(pb.InfoRequest(), metadata=c.md("Info"), timeout=CALL_S)
+            assert info.plan_epoch == PLAN_EPOCH
             yield c
     finally:
         for p in procs:
@@ -380,7 +383,7 @@ def valid_streams(draw: st.DrawFn) -> list[pb.ForwardRequest]:
         t = draw(st.integers(1, 6))
         widths = draw(st.lists(st.integers(1, t), min_size=b, max_size=b))
         keeps = [draw(st.integers(0, w)) for w in widths]
-        msg = fm.new_rows(seq_ids, t, widths, keeps, dtype, seed=n)
+        msg = fm.new_rows(seq_ids, t, widths, keeps, dtype, seed=n, plan_epoch=PLAN_EPOCH)
         msg.batch_id = n + 1
         msg.committed[:] = committed
         msg.positions[:] = committed
@@ -437,6 +440,9 @@ def test_worker_forward(
     serving: Cluster, case: tuple[str, list[pb.ForwardRequest]], creds: Credentials
 ):
     kind, stream = case
+    if kind not in ("random", "any-message"):  # of the plan the worker follows
+        for msg in stream:
+            msg.plan_epoch = msg.plan_epoch or PLAN_EPOCH
     responses = serving.worker_stub.Forward(
         iter(stream), metadata=creds.metadata(serving, "Forward"), timeout=CALL_S
     )
@@ -478,7 +484,8 @@ def test_worker_release(
 ):
     held, request = case
     if held:  # give the worker their KV: one row each
-        first = fm.new_rows(held, 1, [1] * len(held), [1] * len(held), pb.DTYPE_FLOAT32, 0)
+        ones = [1] * len(held)
+        first = fm.new_rows(held, 1, ones, ones, pb.DTYPE_FLOAT32, 0, plan_epoch=PLAN_EPOCH)
         md = serving.md("Forward")
         assert len(list(serving.worker_stub.Forward(iter([first]), metadata=md, timeout=CALL_S)))
     before = serving.worker_stub.Info(pb.InfoRequest(), metadata=serving.md("Info"), timeout=CALL_S)
@@ -608,7 +615,7 @@ def test_huge_auth_stamp_is_unauthenticated(cluster: Cluster, method: str):
 
 # ---- raw bytes to every worker method --------------------------------------------------
 WORKER_VALID: dict[str, list[Message]] = {
-    "Forward": [fm.new_rows([1 << 40], 2, [2], [0], pb.DTYPE_FLOAT32, 0)],
+    "Forward": [fm.new_rows([1 << 40], 2, [2], [0], pb.DTYPE_FLOAT32, 0, plan_epoch=PLAN_EPOCH)],
     "Release": [pb.ReleaseRequest(seq_ids=[1 << 40, 1 << 41])],
     "Assign": [pb.AssignRequest(layer_start=0, layer_end=1)],
     "Info": [pb.InfoRequest()],

@@ -1,6 +1,6 @@
-"""Worker loss on a real cluster: while 8 streams generate, a worker is killed (and
-restarted), or suspended. Every stream completes with exactly the tokens of a run
-without the fault (greedy, float32)."""
+"""Worker loss on a real cluster: while 8 streams generate, a middle or the last worker of
+the chain is killed (and restarted), or suspended. Every stream completes with exactly the
+tokens of a run without the fault (greedy, float32)."""
 
 from __future__ import annotations
 
@@ -88,11 +88,17 @@ def stop_all(procs) -> None:
         p.stop()
 
 
-def test_kill_one_of_three_workers(model, expected):
+# The coordinator holds the first layers: workers 0, 1, 2 are stages 2, 3, 4 of 4, so
+# worker 1 is a middle stage (its predecessor's relay to it breaks) and worker 2 the last.
+STAGES = {"middle": 1, "last": 2}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_kill_one_of_three_workers(model, expected, stage):
     name = cluster_name()
     workers, coord, address = start_cluster(model, name)
     try:
-        victim = workers[1][0]
+        victim = workers[STAGES[stage]][0]
         outputs = run_streams(address, lambda: os.kill(victim.popen.pid, signal.SIGKILL))
         assert outputs == expected
         with WedlmClient(address) as client:
@@ -118,11 +124,12 @@ def test_killed_fixed_worker_restarts_and_rejoins(model, expected):
         stop_all([w for w, _ in workers] + restarted + [coord])
 
 
-def test_suspended_worker_is_detected_and_replaced(model, expected):
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_suspended_worker_is_detected_and_replaced(model, expected, stage):
     name = cluster_name()
     workers, coord, address = start_cluster(model, name)
     try:
-        victim = workers[2][0]
+        victim = workers[STAGES[stage]][0]
         start = time.monotonic()
         outputs = run_streams(address, lambda: os.kill(victim.popen.pid, signal.SIGSTOP))
         assert outputs == expected

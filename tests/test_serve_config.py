@@ -26,7 +26,9 @@ def test_example_config_loads(tmp_path, monkeypatch):
     [
         ("model = 3", "model (model folder or 'default') must be a str"),
         ("colour = 'red'", "unknown setting 'colour'"),
-        ("expect = 0", "expect must be positive"),
+        ("expect = -1", "expect must be 0 or more"),
+        ("layers = '2-3'", "must start at 0"),
+        ("wait_for_workers = 0", "wait_for_workers must be positive"),
         ("keep_finished = -1", "keep_finished must be positive"),
         ("workers = ['nohost']", "HOST:PORT"),
         ("bonjour = 'yes'", "bonjour (find workers over Bonjour) must be a bool"),

@@ -231,9 +231,11 @@ def test_reply_rows_carry_only_the_named_slots(worker, model):
     assert decode(reply.hidden).shape == (1, 2, 64)
 
 
-def _bad_metadata(worker: Worker, protocol: str = "", model: str | None = None, auth=True):
+def _bad_metadata(
+    worker: Worker, protocol: str = "", model: str | None = None, auth=True, method="Info"
+):
     md = [(PROTOCOL_KEY, protocol or str(PROTOCOL_VERSION)), (MODEL_KEY, model or worker.identity)]
-    return md + ([(AUTH_KEY, auth_token(SECRET, "/wedlm.v1.Worker/Info"))] if auth else [])
+    return md + ([(AUTH_KEY, auth_token(SECRET, f"/wedlm.v1.Worker/{method}"))] if auth else [])
 
 
 def test_refused_calls_leave_the_worker_serving(worker):
@@ -287,6 +289,62 @@ def test_refused_calls_leave_the_worker_serving(worker):
     sent.put(None)
     assert list(stream) == []
     assert worker.info().kv_sequences >= 1
+
+
+def _relay(worker: Worker, requests, metadata):
+    return worker.stub.Relay(iter(requests), metadata=metadata, timeout=30)
+
+
+def _route(worker: Worker, epoch: int, next_stage: str = "", prev_stage: str = ""):
+    request = pb.RouteRequest(plan_epoch=epoch, next_stage=next_stage, prev_stage=prev_stage)
+    return worker.stub.Route(request, metadata=worker.md("Route"), timeout=10)
+
+
+def test_relays_need_credentials_and_the_current_plan(worker, model):
+    """Relay (protocol 3) is checked like every call: no credentials, a wrong secret or a
+    replayed token are refused and logged, and so is a relay to a stage the plan does not
+    feed from a predecessor, or one of another plan. The worker keeps serving; a valid
+    relay's output comes back on the coordinator's stream (this stage is last)."""
+    spec, hidden = fresh(4401)
+    good = request(spec, hidden, batch_id=9)
+    expect(S.UNAUTHENTICATED, _relay, worker, [good], _bad_metadata(worker, auth=False))
+    expect(S.UNAUTHENTICATED, _relay, worker, [good], worker.md("Relay", "wrong"))
+    replayed = worker.md("Relay")
+    details = expect(S.FAILED_PRECONDITION, _relay, worker, [good], replayed)
+    assert "the coordinator feeds it" in details  # no predecessor under plan 0
+    assert "replayed" in expect(S.UNAUTHENTICATED, _relay, worker, [good], replayed)
+    old = _bad_metadata(worker, "2", method="Relay")  # a peer of protocol 2
+    assert "same wedlm-cluster version" in expect(
+        S.FAILED_PRECONDITION, _relay, worker, [good], old
+    )
+    assert worker.info().has_layers
+    log = worker.stderr()
+    assert "refused /wedlm.v1.Worker/Relay" in log and "replayed" in log
+
+    assert _route(worker, 7, prev_stage="127.0.0.1:1").plan_epoch == 7
+    try:
+        first: queue.Queue = queue.Queue()
+        replies = worker.stub.Forward(iter(first.get, None), metadata=worker.md("Forward"))
+        stale = request(spec, hidden, batch_id=8)
+        stale.plan_epoch = 6
+        assert "plan 6" in expect(
+            S.FAILED_PRECONDITION, _relay, worker, [stale], worker.md("Relay")
+        )
+        expect(S.FAILED_PRECONDITION, lambda: next(replies))  # reported to the coordinator too
+        first.put(None)
+        sent: queue.Queue = queue.Queue()
+        replies = worker.stub.Forward(iter(sent.get, None), metadata=worker.md("Forward"))
+        good.plan_epoch = 7
+        assert _relay(worker, [good], worker.md("Relay")).received == 1
+        reply = next(replies)
+        assert reply.batch_id == 9 and list(reply.stage_compute_s) == [reply.compute_s]
+        local = LayerRunner(load_model_parts(model, LayerRange(0, 1), with_ends=False))
+        want = local.forward(spec, hidden)
+        np.testing.assert_allclose(np.array(decode(reply.hidden)), np.array(want), atol=1e-5)
+        sent.put(None)
+    finally:
+        _route(worker, 0)
+        worker.forward(request(*fresh(4402)))  # back on plan 0, serving as before
 
 
 def test_fixed_range_refuses_another_assignment(worker):

@@ -15,6 +15,11 @@ def format_status(status: dict[str, Any]) -> str:
         f"{status.get('running', 0)} running, {status.get('queued', 0)} queued",
         f"{'worker':24} {'layers':8} {'health':12} {'device':24} {'mem GiB':>9} {'hop ms':>7}",
     ]
+    if status.get("local_layers"):
+        lines.insert(1, f"plan {status.get('plan_epoch', 0)}: the coordinator holds layers "
+                        f"{status['local_layers']}")  # fmt: skip
+    if status.get("waiting_for"):
+        lines.insert(1, f"waiting for: {status['waiting_for']}")
     for w in status.get("workers", []):
         info = w.get("info", {})
         layers = (

@@ -70,13 +70,12 @@ def plan_layers(
     fixed = [w for w in workers if w.fixed is not None]
     free = [w for w in workers if w.fixed is None]
     problems = _fixed_problems(num_layers, fixed)
-    if problems:
-        raise PlanError("; ".join(problems), final=True)
+    final = bool(problems)  # overlaps and ranges past the model: no newcomer fixes them
     gaps = _gaps(num_layers, fixed)
     if not free:
         problems += [f"{_span(g.start, g.end)} held by no worker" for g in gaps]
     if problems:
-        raise PlanError("; ".join(problems))
+        raise PlanError("; ".join(problems), final=final)
 
     plan = {w.key: w.fixed for w in fixed if w.fixed is not None}
     if free:

@@ -37,10 +37,12 @@ class EngineLoop(threading.Thread):
         engine: Engine,
         tokenizer: Tokenizer,
         metrics: Metrics | None = None,
-        recover: Callable[[Exception], tuple[Pipeline, int] | None] | None = None,
+        recover: Callable[[Exception | None], tuple[Pipeline, int] | None] | None = None,
+        on_replan: Callable[[], None] | None = None,
     ):
         super().__init__(name="engine", daemon=True)
         self.recover = recover  # blocks until a new pipeline is ready (or gives up)
+        self.on_replan = on_replan  # runs on the new pipeline before sequences resume
         self.recoveries: list[float] = []  # seconds each recovery took
         self.engine = engine
         self.tokenizer = tokenizer
@@ -170,6 +172,8 @@ class EngineLoop(threading.Thread):
             return False
         pipeline, micro_batches = result
         self.engine.restart_on(pipeline, micro_batches)
+        if self.on_replan is not None:
+            self.on_replan()
         self.recoveries.append(time.monotonic() - start)
         log.warning("recovered in %.2f s; rebuilding KV", self.recoveries[-1])
         return True

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import WedlmError
+from common.layer_range import LayerRange
 
 # key → (type, description) ; every key is optional
 KEYS: dict[str, tuple[type, str]] = {
@@ -19,6 +20,7 @@ KEYS: dict[str, tuple[type, str]] = {
     "workers": (list, "static worker addresses HOST:PORT"),
     "expect": (int, "workers to wait for before the first plan"),
     "local_layers": (bool, "the coordinator holds the first layers itself"),
+    "warm_up": (str, "run the first forward shapes before readiness: auto, on or off"),
     "layers": (str, "the coordinator's own layer range A-B (A = 0)"),
     "bonjour": (bool, "find workers over Bonjour"),
     "max_running": (int, "sequences decoded at once"),
@@ -56,6 +58,18 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
             raise WedlmError(f'{path}: workers must be a list of "HOST:PORT" strings')
         if kind in (int, float) and value <= 0 and key not in ("port", "expect"):
             raise WedlmError(f"{path}: {key} must be positive, got {value}")
+        if key == "warm_up" and value not in ("auto", "on", "off"):
+            raise WedlmError(f"{path}: warm_up must be auto, on or off, got {value!r}")
+        if key == "layers":
+            try:
+                first = LayerRange.parse(value).start
+            except WedlmError as e:
+                raise WedlmError(f"{path}: layers: {e}") from None
+            if first != 0:
+                raise WedlmError(
+                    f"{path}: layers {value}: the coordinator's layers must start at 0 "
+                    "(they come right after the embedding)"
+                )
         if key == "expect" and value < 0:
             raise WedlmError(f"{path}: expect must be 0 or more, got {value}")
         out["wait_timeout" if key == "wait_for_workers" else key] = value

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import mlx.core as mx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import host_info
@@ -33,6 +34,7 @@ from coordinator.cluster.worker_link import WorkerCallError
 from coordinator.engine.engine import Engine, Limits
 from coordinator.engine.local_layers import LocalLayers
 from coordinator.engine.pipeline import StagePipeline
+from coordinator.engine.warmup import warm_up
 from coordinator.service.engine_loop import EngineLoop
 from coordinator.service.job_store import JobStore
 from coordinator.service.jobs import JobRegistry
@@ -54,6 +56,7 @@ class ServeOptions:
     expect: int = 0  # workers to wait for before the first plan
     bonjour: bool = True
     local_layers: bool = True  # the coordinator holds the first layers itself
+    warm_up: str = "auto"  # run the first shapes once before readiness: on, off, auto (GPUs)
     layers: LayerRange | None = None  # ... exactly these (--layers; must start at 0)
     max_running: int = 16
     max_queued: int = 256
@@ -179,7 +182,9 @@ class CoordinatorServer:
             self.engine.use_pipeline(pipeline, micro_batches)
             self._set_kv_budget()
             self.warm_up()
-            self.loop = EngineLoop(self.engine, self.tokenizer, self.metrics, self.recover)
+            self.loop = EngineLoop(
+                self.engine, self.tokenizer, self.metrics, self.recover, on_replan=self._resume
+            )
             self.loop.start()
             for job in self.jobs.restore():  # accepted before a restart: run them now
                 self.loop.submit(job)
@@ -231,7 +236,22 @@ class CoordinatorServer:
 
     def warm_up(self) -> None:
         """Run the bounded shape set once before readiness, so that the first users do
-        not pay for MLX's kernel compilation (on the thread that owns MLX)."""
+        not pay for MLX's kernel compilation (on the thread that owns MLX: the planner
+        before serving, the engine thread after a re-plan)."""
+        mode = self.opts.warm_up
+        if mode == "off" or (mode == "auto" and mx.default_device() == mx.cpu):
+            return  # MLX's CPU backend compiles nothing per shape: nothing to gain there
+        report = warm_up(self.engine, max_rows=self.opts.max_running)
+        self.metrics.forward_shapes.set(self.engine.shapes.count)
+        log.info(
+            "warmed %d shapes in %.1f s (%d forwards)",
+            report.shapes, report.seconds, report.forwards,
+        )  # fmt: skip
+
+    def _resume(self) -> None:
+        """After a re-plan, on the engine thread: warm the new pipeline, then serve."""
+        self.warm_up()
+        self.state = "serving"
 
     def _watch_members(self, period_s: float = 2.0) -> None:
         """Take in workers that answer after the plan was made (started late, or back
@@ -315,8 +335,6 @@ class CoordinatorServer:
                 self._stopping.wait(1.0)
                 continue
             self._set_kv_budget()
-            self.warm_up()
-            self.state = "serving"
             self.recovery_problem = ""
             return pipeline, micro_batches
         self.state = "failed"

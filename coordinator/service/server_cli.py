@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 
 from common.errors import WedlmError
+from common.layer_range import LayerRange
 
 
 def _port(text: str) -> int:
@@ -57,8 +58,6 @@ def _seconds(text: str) -> float:
 
 
 def _layer_range(text: str):
-    from common.layer_range import LayerRange
-
     try:
         layers = LayerRange.parse(text)
     except WedlmError as e:
@@ -123,6 +122,14 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         default=None,
         help="the coordinator holds exactly layers A-B itself (A must be 0: its layers come "
         "right after the embedding); default: a share of the model planned by memory",
+    )
+    p.add_argument(
+        "--warm-up",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run the first forward shapes once before readiness, so that the first requests "
+        "do not wait for kernel compilation (auto: on GPUs; MLX's CPU backend compiles "
+        "nothing per shape)",
     )
     p.add_argument(
         "--no-local-layers",
@@ -201,18 +208,11 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
             elif key == "local_layers":
                 args.no_local_layers = args.no_local_layers or not value
             elif key == "layers":
-                args.layers = args.layers or _config_layers(value)
+                args.layers = args.layers or LayerRange.parse(value)
             elif getattr(args, key) == parser.get_default(key) or getattr(args, key) is None:
                 setattr(args, key, Path(value) if key == "state_dir" else value)
     if not args.model:
         raise WedlmError("--model is required (on the command line or in --config)")
-
-
-def _config_layers(text: str):
-    try:
-        return _layer_range(text)
-    except argparse.ArgumentTypeError as e:
-        raise WedlmError(f"config: layers: {e}") from None
 
 
 def state_dir(flag: Path | None) -> Path | None:
@@ -243,6 +243,7 @@ def serve_options(args: argparse.Namespace, **fixed):
         kv_reserve_tokens=args.kv_reserve_tokens,
         keep_finished=args.keep_finished,
         local_layers=not args.no_local_layers,
+        warm_up=args.warm_up,
         layers=args.layers,
         tls=load_tls(args.tls_cert, args.tls_key, args.tls_ca),
     )
