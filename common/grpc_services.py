@@ -41,14 +41,14 @@ class _Malformed:
         self.message = f"malformed {kind}: {error}"
 
 
-def _lenient(cls) -> Callable[[bytes], object]:
-    def parse(data: bytes):
+def _lenient(parse: Callable[[bytes], object], kind: str) -> Callable[[bytes], object]:
+    def lenient(data: bytes):
         try:
-            return cls.FromString(data)
+            return parse(data)
         except (DecodeError, ValueError) as e:
-            return _Malformed(cls.__name__, e)
+            return _Malformed(kind, e)
 
-    return parse
+    return lenient
 
 
 def _guard(method: Callable, client_streaming: bool, server_streaming: bool) -> Callable:
@@ -86,15 +86,23 @@ def _guard(method: Callable, client_streaming: bool, server_streaming: bool) -> 
     return unary
 
 
-def add_service(server: grpc.Server, servicer: object, name: str) -> None:
+def add_service(
+    server: grpc.Server,
+    servicer: object,
+    name: str,
+    parsers: dict[str, Callable[[bytes], object]] | None = None,
+) -> None:
+    """`parsers`: a deserializer per method name instead of the message's FromString
+    (e.g. one that leaves a large tensor field in the received bytes)."""
     service = pb.DESCRIPTOR.services_by_name[name]
     handlers = {}
     for m in service.methods:
         request_cls = getattr(pb, m.input_type.name)
+        parse = (parsers or {}).get(m.name, request_cls.FromString)
         factory = _FACTORIES[(m.client_streaming, m.server_streaming)]
         handlers[m.name] = factory(
             _guard(getattr(servicer, m.name), m.client_streaming, m.server_streaming),
-            request_deserializer=_lenient(request_cls),
+            request_deserializer=_lenient(parse, request_cls.__name__),
             response_serializer=serialize,  # messages, or bytes already serialized
         )
     server.add_generic_rpc_handlers(

@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import mlx.core as mx
 import numpy as np
 
 from common.proto_gen import wedlm_pb2 as pb
-from common.wire_frames import TensorFrame
+from common.wire_frames import TensorFrame, WireTensor
 
 _TO_WIRE = {
     mx.float32: (pb.DTYPE_FLOAT32, np.float32, None),
@@ -24,23 +22,6 @@ MAX_ELEMENTS = 1 << 31
 
 class TensorFormatError(ValueError):
     """A wire tensor whose dtype, shape or byte count is inconsistent."""
-
-
-class WireTensor(NamedTuple):
-    """A wire tensor taken out of its message (see take_tensor): what decode() reads."""
-
-    dtype: int
-    shape: tuple[int, ...]
-    data: bytes
-
-
-def take_tensor(message, field: str = "hidden") -> WireTensor:
-    """Move a message's tensor field out of it, reading the (large) bytes once; the message
-    is left without it, small enough to reuse as the header of a relayed request."""
-    tensor = getattr(message, field)
-    taken = WireTensor(tensor.dtype, tuple(tensor.shape), tensor.data)
-    message.ClearField(field)
-    return taken
 
 
 def wire_form(array: mx.array) -> tuple[int, mx.array]:

@@ -9,6 +9,7 @@ import numpy as np
 from common.layer_runner import RowsError
 from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
+from common.wire_frames import Framed, WireTensor
 
 WIRE_DTYPES = {
     pb.DTYPE_FLOAT32: "float32",
@@ -22,7 +23,16 @@ def _invalid(message: str) -> RowsError:
     return RowsError("INVALID_ARGUMENT", message)
 
 
-def rows_spec(request: pb.ForwardRequest, hidden_size: int, max_positions: int) -> RowsSpec:
+def hidden_of(request: pb.ForwardRequest | Framed) -> WireTensor | pb.Tensor | None:
+    """The request's hidden states: split off as received (Framed), or the message field."""
+    if isinstance(request, Framed):
+        return request.tensor
+    return request.hidden if request.HasField("hidden") else None
+
+
+def rows_spec(
+    request: pb.ForwardRequest | Framed, hidden_size: int, max_positions: int
+) -> RowsSpec:
     """The request's RowsSpec; raises RowsError naming the first problem found."""
     b = len(request.seq_ids)
     if b == 0:
@@ -37,9 +47,9 @@ def rows_spec(request: pb.ForwardRequest, hidden_size: int, max_positions: int) 
                 f"row {row}: positions is {pos} but committed is {com}; a window starts "
                 "right after the sequence's committed KV"
             )
-    if not request.HasField("hidden"):
+    hidden = hidden_of(request)
+    if hidden is None:
         raise _invalid("the request carries no hidden states")
-    hidden = request.hidden
     if hidden.dtype not in WIRE_DTYPES:
         raise _invalid(
             f"unknown hidden dtype {hidden.dtype} (expected one of "

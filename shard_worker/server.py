@@ -17,7 +17,9 @@ from common.errors import WedlmError
 from common.grpc_services import add_service
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
+from common.proto_gen import wedlm_pb2 as pb
 from common.tls import TlsConfig, bind
+from common.wire_frames import framed_parser
 from shard_worker.bonjour import BonjourAdvert
 from shard_worker.held_layers import HeldLayers
 from shard_worker.mlx_thread import MLXThread
@@ -106,7 +108,8 @@ class WorkerServer:
             self.route,
             on_layers_changed=self._layers_changed,
         )
-        add_service(self.server, self.servicer, "Worker")
+        framed = framed_parser(pb.ForwardRequest, "hidden")  # hidden states stay unparsed
+        add_service(self.server, self.servicer, "Worker", {"Forward": framed, "Relay": framed})
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._set_health()

@@ -24,8 +24,9 @@ from common.layer_runner import RowsError
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
-from common.tensor_codec import TensorFormatError, take_tensor
-from shard_worker.forward_request import reply_slots, rows_spec
+from common.tensor_codec import TensorFormatError
+from common.wire_frames import Framed
+from shard_worker.forward_request import hidden_of, reply_slots, rows_spec
 from shard_worker.held_layers import HeldLayers
 from shard_worker.mlx_thread import MLXThread, QueueFull, ThreadStopped
 from shard_worker.stage_route import Failure, Plan, ReplyChannel, StageRoute
@@ -139,7 +140,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except (QueueFull, ThreadStopped):
             channel.close()
 
-    def _take(self, request: pb.ForwardRequest, origin: ReplyChannel | None):
+    def _take(self, request: Framed, origin: ReplyChannel | None):
         """Validate one micro-batch and queue it on the MLX thread; its output goes where
         the plan it arrived under says. Returns (code, message) when it is refused."""
         plan = self.route.plan
@@ -157,11 +158,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         try:
             spec = rows_spec(request, self.config.hidden_size, self.config.max_position_embeddings)
             slots = reply_slots(request, spec)  # checked here, applied by the last stage
-            hidden = take_tensor(request)
+            hidden = hidden_of(request)
             if plan.next_stage:
                 slots = None
             launch = functools.partial(self.layers.launch, spec, hidden, slots)
-            done = functools.partial(self._done, plan, request, origin)
+            header = request.message  # every field but the hidden states: relayed as is
+            done = functools.partial(self._done, plan, header, origin)
             self.mlx.submit_pipelined(launch, self.layers.finish, done)
         except Exception as e:
             return _status(e)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from google.protobuf.message import DecodeError
 
 from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode, encode_frame
-from common.wire_frames import TensorFrame, serialize, with_tensor
+from common.wire_frames import TensorFrame, framed_parser, serialize, with_tensor
 from coordinator.cluster.worker_chain import forward_request
 
 SHAPES = [(1, 3, 8), (2, 16, 64), (0, 1, 8), (1, 70_000, 1)]  # 70,000: a 3-byte length
@@ -78,3 +79,36 @@ def test_serialize_passes_bytes_through_and_serializes_messages():
 def test_a_field_already_set_is_refused():
     with pytest.raises(ValueError, match="framed by hand"):
         with_tensor(pb.ForwardReply(hidden=pb.Tensor()), "hidden", encode_frame(mx.zeros((1,))))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_framed_parser_splits_the_tensor_without_copying(shape):
+    """The receive side: every other field as protobuf parses it, the tensor's bytes a view
+    of the received buffer (no copy), decoding to the same array."""
+    x = mx.random.normal(shape, key=mx.random.key(2)).astype(mx.bfloat16)
+    reply = pb.ForwardReply(batch_id=9, compute_s=0.1, stage_compute_s=[0.1, 0.2])
+    data = with_tensor(reply, "hidden", encode_frame(x))
+    framed = framed_parser(pb.ForwardReply, "hidden")(data)
+    assert framed.message == reply and framed.batch_id == 9  # fields read through
+    assert isinstance(framed.hidden.data, memoryview) and framed.hidden.data.obj is data
+    assert framed.hidden.shape == tuple(shape)
+    assert mx.array_equal(decode(framed.hidden), x)
+    request = pb.ForwardRequest.FromString(forward_request(3, _spec(2, 4), encode(x[:0])))
+    request.reply_rows.per_row = 1
+    request.reply_rows.slots.extend([0, 1])
+    split = framed_parser(pb.ForwardRequest, "hidden")(request.SerializeToString())
+    request.ClearField("hidden")
+    assert split.message == request
+
+
+def test_framed_parser_refuses_what_does_not_parse():
+    parse = framed_parser(pb.ForwardRequest, "hidden")
+    good = forward_request(1, _spec(1, 2), encode(mx.zeros((1, 2, 8))))
+    with pytest.raises(DecodeError):
+        parse(good[:-3])  # truncated
+    with pytest.raises(DecodeError):
+        again = with_tensor(pb.ForwardRequest(), "hidden", encode_frame(mx.zeros((1, 2, 8))))
+        parse(good + again)  # the tensor field twice
+    with pytest.raises(DecodeError):
+        parse(b"\x07")  # wire type 7 does not exist
+    assert parse(b"").tensor is None  # an empty message has no tensor: the servicer says so

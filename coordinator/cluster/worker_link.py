@@ -19,7 +19,7 @@ from common.grpc_services import CHANNEL_OPTIONS
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, open_channel
-from common.wire_frames import serialize
+from common.wire_frames import framed_parser, serialize
 
 log = logging.getLogger(__name__)
 _CLOSE = object()
@@ -127,7 +127,7 @@ class WorkerLink:
         forward = self.channel.stream_stream(
             "/wedlm.v1.Worker/Forward",
             request_serializer=serialize,
-            response_deserializer=pb.ForwardReply.FromString,
+            response_deserializer=framed_parser(pb.ForwardReply, "hidden"),  # no payload copy
             _registered_method=True,  # as the generated stubs register their methods
         )
         replies = forward(requests(), metadata=self._md("Forward"))
@@ -150,7 +150,7 @@ class WorkerLink:
         if self.on_reply is not None:  # a chain: it keeps the timings of every stage
             self.on_reply(item)
             return
-        if isinstance(item, pb.ForwardReply):
+        if not isinstance(item, WorkerCallError):
             sent = self._sent_at.pop(0) if self._sent_at else time.perf_counter()
             self.stats.add(item.compute_s, time.perf_counter() - sent)
         self._replies.put(item)
