@@ -36,8 +36,8 @@ class ReplyChannel:
     def __init__(self) -> None:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
 
-    def put(self, reply: bytes) -> None:
-        self._items.put(reply)
+    def put(self, reply: pb.ForwardReply, hidden: TensorFrame) -> None:
+        self._items.put((reply, hidden))
 
     def fail(self, code: grpc.StatusCode, message: str) -> None:
         self._items.put(Failure(code, message))
@@ -46,11 +46,13 @@ class ReplyChannel:
         self._items.put(_END)
 
     def items(self):
-        """Replies (bytes) until closed; a Failure is the last item when there is one."""
+        """Serialized replies until closed (framed here, on the stream's own thread, not on
+        the MLX thread); a Failure is the last item when there is one."""
         while (item := self._items.get()) is not _END:
-            yield item
             if isinstance(item, Failure):
+                yield item
                 return
+            yield with_tensor(item[0], "hidden", item[1])
 
 
 class RelayLink:
@@ -82,10 +84,10 @@ class RelayLink:
 
     def _requests(self):
         while (item := self._outbox.get()) is not _END:
-            yield item
+            yield with_tensor(item[0], "hidden", item[1])  # on gRPC's thread, not MLX's
 
-    def send(self, payload: bytes) -> None:
-        self._outbox.put(payload)
+    def send(self, request: pb.ForwardRequest, hidden: TensorFrame) -> None:
+        self._outbox.put((request, hidden))
 
     def _ended(self, call) -> None:
         if self._closing:
@@ -165,9 +167,9 @@ class StageRoute:
                 return
             relay, channel = self._relay, origin or self._channel
         if plan.next_stage:
-            relay.send(with_tensor(request, "hidden", hidden))
+            relay.send(request, hidden)
         elif channel is not None:
-            channel.put(with_tensor(reply, "hidden", hidden))
+            channel.put(reply, hidden)
         else:
             log.warning("a forward finished with no coordinator stream to answer on")
 

@@ -34,6 +34,15 @@ def forward_request(
 ) -> bytes:
     """A serialized ForwardRequest; the hidden states are framed by hand (one copy).
     `reply_slots` ([B, S]): the slots the last stage's reply carries."""
+    frame = hidden if isinstance(hidden, TensorFrame) else TensorFrame.of(hidden)
+    header = forward_header(batch_id, spec, reply_slots, plan_epoch)
+    return with_tensor(header, "hidden", frame)
+
+
+def forward_header(
+    batch_id: int, spec: RowsSpec, reply_slots: np.ndarray | None, plan_epoch: int
+) -> pb.ForwardRequest:
+    """A ForwardRequest without its hidden states (framed by hand when it is sent)."""
     header = pb.ForwardRequest(
         batch_id=batch_id,
         seq_ids=spec.seq_ids,
@@ -47,8 +56,7 @@ def forward_request(
     if reply_slots is not None:
         header.reply_rows.per_row = reply_slots.shape[1]
         header.reply_rows.slots.extend(reply_slots.reshape(-1).tolist())
-    frame = hidden if isinstance(hidden, TensorFrame) else TensorFrame.of(hidden)
-    return with_tensor(header, "hidden", frame)
+    return header
 
 
 class WorkerChain:
@@ -94,8 +102,8 @@ class WorkerChain:
             raise self.broken
         with self._lock:
             self._sent[batch_id] = time.perf_counter()
-        request = forward_request(batch_id, spec, hidden, reply_slots, self.plan_epoch)
-        self.links[0].send(request)
+        header = forward_header(batch_id, spec, reply_slots, self.plan_epoch)
+        self.links[0].send((header, hidden))  # framed on the stream's thread
 
     def collect(self) -> tuple[int, mx.array]:
         """The oldest micro-batch's id and final hidden states (blocks)."""

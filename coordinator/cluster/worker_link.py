@@ -19,7 +19,7 @@ from common.grpc_services import CHANNEL_OPTIONS
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, open_channel
-from common.wire_frames import framed_parser, serialize
+from common.wire_frames import TensorFrame, framed_parser, serialize, with_tensor
 
 log = logging.getLogger(__name__)
 _CLOSE = object()
@@ -121,7 +121,8 @@ class WorkerLink:
 
         def requests():
             while (item := outbox.get()) is not _CLOSE:
-                yield item
+                # (header, hidden) pairs are framed here, on gRPC's thread, not the engine's
+                yield with_tensor(item[0], "hidden", item[1]) if isinstance(item, tuple) else item
 
         # Requests arrive serialized (hidden states framed by hand): passed through as is.
         forward = self.channel.stream_stream(
@@ -162,7 +163,8 @@ class WorkerLink:
             if self._outbox is None:
                 self._open_stream()
 
-    def send(self, request: pb.ForwardRequest | bytes) -> None:
+    def send(self, request: pb.ForwardRequest | bytes | tuple[pb.ForwardRequest, TensorFrame]):
+        """A request: a message, its serialized bytes, or (header, hidden states)."""
         with self._lock:
             if self._outbox is None:
                 self._open_stream()

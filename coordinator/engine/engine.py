@@ -176,9 +176,21 @@ class Engine:
         # work in order, so the sync below then waits for step t only, not for t+1.
         mx.async_eval(fills, tokens)
         ahead = self._launch_ahead(flight, tokens)
+        commits: list[Commit] = []
+        if not ahead and len(self.in_flight) < self.micro_batches:
+            # Another unit's micro-batch (a prompt chunk, another group) does not depend on
+            # this one's tokens: launch it now, so the device has work while the host reads
+            # and postprocesses this one. This unit stays busy until postprocess.
+            picked = self.scheduler.next_micro_batch(commits)
+            try:
+                if picked is not None:
+                    self._launch(*picked)
+            except Exception:
+                self.undelivered += commits  # finished without a forward: still delivered
+                raise
         mx.eval(fills, tokens)  # the one host sync of this micro-batch
         self.forwards += 1
-        commits = self.scheduler.postprocess(
+        commits += self.scheduler.postprocess(
             flight.unit, flight.plans, np.array(fills), np.array(tokens), flight.started
         )
         if ahead:
