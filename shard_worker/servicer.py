@@ -192,11 +192,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.route.deliver(plan, request, reply, hidden, origin)
 
     def Route(self, request: pb.RouteRequest, context) -> pb.WorkerInfo:
-        if request.next_stage and not _ADDRESS.fullmatch(request.next_stage):
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"next_stage {request.next_stage!r} is not HOST:PORT",
-            )
+        for name in ("next_stage", "prev_stage"):
+            value = getattr(request, name)
+            if value and not _ADDRESS.fullmatch(value):
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{name} {value!r} is not HOST:PORT"
+                )
         try:
             self.route.follow(Plan(request.plan_epoch, request.next_stage, request.prev_stage))
         except Exception as e:

@@ -120,7 +120,7 @@ class StageRoute:
         self._lock = threading.Lock()
         self.plan = Plan()
         self._relay: RelayLink | None = None
-        self._channel: ReplyChannel | None = None
+        self._channels: list[ReplyChannel] = []  # open coordinator streams, newest last
 
     def follow(self, plan: Plan) -> None:
         """Take a new plan: the old relay closes and the new successor is dialled now, so
@@ -140,14 +140,18 @@ class StageRoute:
         are reported on the newest one (a stream's own requests answer on it)."""
         channel = ReplyChannel()
         with self._lock:
-            self._channel = channel
+            self._channels.append(channel)
         return channel
 
     def detach(self, channel: ReplyChannel) -> None:
         with self._lock:
-            if self._channel is channel:
-                self._channel = None
+            if channel in self._channels:
+                self._channels.remove(channel)
         channel.close()
+
+    @property
+    def _channel(self) -> ReplyChannel | None:
+        return self._channels[-1] if self._channels else None
 
     def deliver(
         self,
@@ -193,6 +197,6 @@ class StageRoute:
     def close(self) -> None:
         self.follow(Plan())
         with self._lock:
-            channel, self._channel = self._channel, None
-        if channel is not None:
+            channels, self._channels = self._channels, []
+        for channel in channels:
             channel.close()

@@ -345,6 +345,14 @@ def spend(cluster: Cluster, method: str, md: list[tuple[str, str]]) -> None:
         assert list(stub.Forward(iter([]), metadata=md, timeout=CALL_S)) == []
     elif method == "Release":
         stub.Release(pb.ReleaseRequest(), metadata=md, timeout=CALL_S)
+    elif method == "Relay":  # refused after the credentials: the coordinator feeds it
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Relay(iter([]), metadata=md, timeout=CALL_S)
+        assert err.value.code() == S.FAILED_PRECONDITION
+    elif method == "Route":  # refused after the credentials were checked
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Route(pb.RouteRequest(next_stage="no port"), metadata=md, timeout=CALL_S)
+        assert err.value.code() == S.INVALID_ARGUMENT
     elif method == "Assign":  # refused after the credentials were checked
         with pytest.raises(grpc.RpcError) as err:
             stub.Assign(pb.AssignRequest(layer_start=-1), metadata=md, timeout=CALL_S)
@@ -827,4 +835,45 @@ def test_coordinator_raw_bytes(
             info = pb.ModelInfoReply.FromString(reply)
             assert info.model_identity == serving.identity and info.num_layers == 2, info
             assert info.vocab_size == 320 and 0 <= info.mask_token_id < 320, info
+    serving.assert_alive()
+
+
+# ---- Worker.Relay and Worker.Route ----------------------------------------------------
+@FEW
+@given(data=st.one_of(st.binary(max_size=64), raw_bytes("Forward", WORKER_VALID["Forward"])),
+       creds=credentials())  # fmt: skip
+def test_worker_relay_refusals(serving: Cluster, data: bytes, creds: Credentials):
+    """The fuzz cluster's one worker is fed by the coordinator: every relay is refused,
+    after the credentials, whatever it carries, and the worker keeps serving."""
+    relay = serving.worker_channel.stream_unary(
+        "/wedlm.v1.Worker/Relay", request_serializer=lambda b: b, response_deserializer=bytes
+    )
+    since = serving.mark()
+    with pytest.raises(grpc.RpcError) as err:
+        relay(iter([data]), metadata=creds.metadata(serving, "Relay"), timeout=CALL_S)
+    expected = creds.expected or S.FAILED_PRECONDITION
+    assert err.value.code() == expected, f"{err.value.details()!r}{serving.logs(since)}"
+    serving.assert_alive()
+
+
+@FEW
+@given(
+    request=st.one_of(
+        fm.messages(pb.RouteRequest.DESCRIPTOR).filter(
+            lambda r: (r.next_stage or r.prev_stage) and ":" not in r.next_stage + r.prev_stage
+        ),
+        st.builds(pb.RouteRequest, next_stage=st.sampled_from(["host", ":1", "a b:2", "x:"])),
+    ),
+    creds=credentials(),
+)
+def test_worker_route_refusals(serving: Cluster, request: pb.RouteRequest, creds: Credentials):
+    """A Route whose addresses are not HOST:PORT is refused (and changes nothing)."""
+    before = serving.worker_stub.Info(pb.InfoRequest(), metadata=serving.md("Info")).plan_epoch
+    with pytest.raises(grpc.RpcError) as err:
+        serving.worker_stub.Route(
+            request, metadata=creds.metadata(serving, "Route"), timeout=CALL_S
+        )
+    assert err.value.code() == (creds.expected or S.INVALID_ARGUMENT), err.value.details()
+    after = serving.worker_stub.Info(pb.InfoRequest(), metadata=serving.md("Info")).plan_epoch
+    assert after == before == PLAN_EPOCH
     serving.assert_alive()

@@ -154,7 +154,7 @@ def test_dense_layouts_match_single_process(dense, dense_expected, layout):
             p.stop()
 
 
-@pytest.mark.parametrize("layout", ["coordinator-alone", "coordinator+2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_moe_layouts_match_single_process(moe, moe_expected, layout):
     procs, address = serve(moe, layout)
     try:
