@@ -144,22 +144,13 @@ def check_layout(address: str, layout: str, num_layers: int) -> None:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_dense_layouts_match_single_process(dense, dense_expected, layout):
-    procs, address = serve(dense, layout)
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_layouts_match_single_process(request, family, layout):
+    model = request.getfixturevalue(family)
+    procs, address = serve(model, layout)
     try:
-        assert concurrent_outputs(address) == dense_expected
-        check_layout(address, layout, 5)
-    finally:
-        for p in procs:
-            p.stop()
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_moe_layouts_match_single_process(moe, moe_expected, layout):
-    procs, address = serve(moe, layout)
-    try:
-        assert concurrent_outputs(address) == moe_expected
-        check_layout(address, layout, 4)
+        assert concurrent_outputs(address) == request.getfixturevalue(f"{family}_expected")
+        check_layout(address, layout, {"dense": 5, "moe": 4}[family])
     finally:
         for p in procs:
             p.stop()
