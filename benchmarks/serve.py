@@ -8,6 +8,7 @@ BatchGenerator (benchmarks/serve_mlxlm.py, in a subprocess), 1 vs P micro-batche
 serve.json + serve.png to --out.
 
   python benchmarks/serve.py --model default --concurrency 1 2 4 8 --max-tokens 24
+  python benchmarks/serve.py --model default --workers 0 --phases mlxlm sweep   # coordinator alone
   python benchmarks/serve.py --model random-qwen3-8b --workers 2 --phases pipeline
 """
 
@@ -172,7 +173,7 @@ def run_cluster_phases(result: dict, model: Path, args) -> None:
     micro-batches in flight, restarting the coordinator between them (the workers stay)."""
     levels, top = sorted(args.concurrency), max(args.concurrency)
     params = GenerationParams(mode=args.mode, max_tokens=args.max_tokens)
-    cluster = Cluster(model, args.workers, top, gpus=args.gpus)
+    cluster = Cluster(model, args.workers, top, gpus=args.gpus, local=args.local_layers)
     try:
         if "sweep" in args.phases:
             result["sweep"] = sweep(cluster.start_coordinator(), levels, PROMPTS, params, args)
@@ -237,7 +238,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default", help="PATH, default or random-qwen3-8b")
     ap.add_argument("--address", help="HOST:PORT of a running coordinator (sweep only)")
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument(
+        "--workers", type=int, default=1, help="0: the coordinator alone holds every layer"
+    )
+    ap.add_argument(
+        "--local-layers",
+        action="store_true",
+        help="the coordinator holds the first of workers + 1 even ranges (default: none)",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--duration", type=float, default=20.0, help="seconds per level")
     ap.add_argument("--requests", type=int, default=0, help="requests per level (not --duration)")
