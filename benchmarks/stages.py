@@ -240,8 +240,12 @@ def phase_alone(run: Run) -> dict:
     for r in range(args.rounds):
         log(f"alone: round {r + 1}/{args.rounds}, ours")
         ours.append(sweep(address, levels, PROMPTS, params, args))
+        # One process on the GPU at a time: ours holds its weights and MLX's buffer cache.
+        run.alone.stop_coordinator()
+        run.alone_address = ""
         log(f"alone: round {r + 1}/{args.rounds}, mlx-lm BatchGenerator")
         theirs.append(sweep_in_subprocess(run.model, args))
+        address = run.start_alone()
     o, m = level_medians(ours), level_medians(theirs)
     per_c = {
         c: {
@@ -282,6 +286,9 @@ def stream_once(client: WedlmClient, ids: list[int], params: GenerationParams) -
 
 def phase_single(run: Run) -> dict:
     args = run.args
+    if run.alone_address:  # a fresh process: the sweeps' buffer cache is gone
+        run.alone.stop_coordinator()
+        run.alone_address = ""
     one = run.alone_serving()
     three = run.cluster(2, 4, args.gpus)
     log(f"single: 3 stages: {three.layout()}")

@@ -43,6 +43,16 @@ def device_description() -> str:
     return f"cpu: {name} ({platform.system()} {platform.machine()}, {cores} cores)"
 
 
+def wire_model_memory() -> None:
+    """As mlx-lm does for generation: on a Mac, let Metal keep up to the recommended
+    working set wired (resident), so the weights are not paged out between forwards.
+    A no-op where the device reports no recommended size (CPU, CUDA). Call once, from the
+    thread that owns MLX, before loading weights."""
+    from mlx_lm.utils import maybe_set_recommended_wired_limit
+
+    maybe_set_recommended_wired_limit()
+
+
 def memory() -> tuple[int, int]:
     """(total, available) bytes this process can fill with weights and KV.
 

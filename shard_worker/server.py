@@ -74,6 +74,7 @@ class WorkerServer:
         self.options = options
         config = options.config
         self.mlx = MLXThread()
+        self.mlx.call(host_info.wire_model_memory)
         self.layers: HeldLayers = self.mlx.call(HeldLayers, config, options.layers)
         if options.layers is not None:
             self.mlx.call(self.layers.load, options.layers)

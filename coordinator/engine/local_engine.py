@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from common import host_info
 from common.model_parts import load_model_parts
 from common.tokenizer import Tokenizer
 from coordinator.engine.engine import Engine
@@ -28,6 +29,7 @@ class LocalEngine:
 
 def open_local_engine(model: str | Path, num_rows: int = 1) -> LocalEngine:
     path = resolve_model(str(model))
+    host_info.wire_model_memory()
     parts = load_model_parts(path)
     tokenizer = Tokenizer(path)
     engine = Engine(

@@ -89,6 +89,7 @@ class CoordinatorServer:
     def __init__(self, opts: ServeOptions) -> None:
         self.opts = opts
         self.tokenizer = Tokenizer(opts.model)
+        host_info.wire_model_memory()  # this thread owns MLX until the engine thread starts
         ends = load_model_parts(opts.model, with_layers=False)
         self.config = ends.config
         self.engine = Engine(
