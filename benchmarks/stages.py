@@ -512,6 +512,11 @@ def main() -> None:
                 result[phase] = {
                     "error": f"{type(e).__name__}: {e}"[:4000],
                     "traceback": traceback.format_exc()[-3000:],
+                    "coordinator_logs": [  # what the serving processes said last
+                        "".join(c.coordinator.log[-40:])[-4000:]
+                        for c in run.clusters
+                        if c.coordinator is not None
+                    ],
                 }
                 log(f"{phase} failed: {type(e).__name__}: {str(e)[:500]}")
             result[phase]["phase_s"] = round(now() - t0, 1)

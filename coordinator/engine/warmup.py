@@ -75,7 +75,6 @@ def warm_up(
     finally:
         if warmer.used:
             engine.pipeline.release(warmer.used)
-        mx.clear_cache()  # the warm-up's temporaries: serving needs none of them
     report = WarmUpReport(
         forwards=warmer.forwards,
         shapes=len(warmer.keys),
