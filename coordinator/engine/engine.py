@@ -155,6 +155,13 @@ class Engine:
         self.pipeline.submit(batch_id, batch.spec, hidden, batch.reply_slots())
         self.in_flight.append(InFlight(batch_id, unit, plans, batch, started))
 
+    def drop_padding(self) -> None:
+        """Release every padding row (while idle): the next batches make their own."""
+        stale = sorted(i for ids in self._padding.values() for i in ids)
+        if stale:
+            self.pipeline.release(stale)
+        self._padding.clear()
+
     def _padding_ids(self, unit: int, rows: int) -> list[int]:
         """Row counts are padded to buckets (bounded shapes); padding rows get ids of their
         own per unit, and the ones a unit stops using are released."""

@@ -58,23 +58,30 @@ def warm_up(
     spans: int = 2,
     windows: Iterable[int] = (16,),
     prefill: bool = True,
+    bursts: bool = True,
 ) -> WarmUpReport:
     """Run the first shapes of the bounded set once. Call on the thread that owns MLX, while
     no forward is in flight (before serving, or right after a re-plan).
 
     max_rows: the largest row count (default: max_running); spans: attention spans warmed
     for decode rows (64, 128, ...); windows: WeDLM windows whose widths W..2W are warmed;
-    prefill: also warm the padded prompt chunk widths at the first span."""
+    prefill: also warm the padded prompt chunk widths at the first span; bursts: then, if
+    the engine is idle (not after a re-plan, when live sequences re-prefill), run short real
+    requests through it, AR and WeDLM mixed, at each row bucket: what a first burst runs
+    besides the forwards (KV regathered as rows join and leave, the mixed head path)."""
     assert not engine.in_flight, "warm up while no forward is in flight"
     started = time.perf_counter()
     warmer = _Warmer(engine)
+    most = max_rows or engine.shape_limits().max_rows
+    buckets = sorted({row_bucket(n) for n in range(1, most + 1)})
     try:
-        most = max_rows or engine.shape_limits().max_rows
-        for r in sorted({row_bucket(n) for n in range(1, most + 1)}):
+        for r in buckets:
             warmer.bucket(r, spans, tuple(windows), prefill)
     finally:
         if warmer.used:
             engine.pipeline.release(warmer.used)
+    if bursts and not (engine.scheduler.running or engine.scheduler.waiting):
+        _bursts(engine, buckets, next(iter(windows), 16), warmer.wedlm)
     report = WarmUpReport(
         forwards=warmer.forwards,
         shapes=len(warmer.keys),
@@ -90,6 +97,24 @@ def warm_up(
         report.seconds,
     )
     return report
+
+
+def _bursts(engine: Engine, buckets: list[int], window: int, wedlm: bool) -> None:
+    vocab = engine.config.vocab_size
+    ids = itertools.count(WARM_IDS + (1 << 40))  # apart from the shape sweep's ids
+    forwards = engine.forwards
+    for rows in buckets:
+        seqs = []
+        for i in range(rows):
+            mode = "wedlm" if wedlm and i % 2 else "ar"
+            params = GenerationParams(mode=mode, window=window, max_tokens=3 + i % 4)
+            prompt = [(7 * i + j + 1) % vocab for j in range(3 + i % 5)]
+            seqs.append(Sequence(next(ids), prompt, params))
+            engine.scheduler.add(seqs[-1])
+        for _ in engine.stream(seqs):
+            pass
+    engine.forwards = forwards  # the counters speak of real requests only
+    engine.drop_padding()
 
 
 class _Warmer:
