@@ -19,7 +19,7 @@ class Heartbeat(threading.Thread):
         self, get_pipeline, period_s: float = 1.0, timeout_s: float = 1.5, misses: int = 2
     ):
         super().__init__(name="heartbeat", daemon=True)
-        self.get_pipeline = get_pipeline  # the current RemotePipeline, or None
+        self.get_pipeline = get_pipeline  # the current StagePipeline with workers, or None
         self.period_s, self.timeout_s, self.misses = period_s, timeout_s, misses
         self._missed: dict[str, int] = {}
         self._stopping = threading.Event()
