@@ -23,9 +23,10 @@ from coordinator.cluster.discovery import (
     DiscoveryError,
     WorkerBrowser,
     WorkerProbeError,
+    merge_candidates,
     parse_static,
     probe_worker,
-    wait_for_workers,
+    shortfall,
 )
 
 RUN = uuid.uuid4().hex[:8]  # other test runs may share this loopback: keep our names apart
@@ -112,35 +113,33 @@ def test_browser_keeps_this_clusters_workers(responder: Zeroconf):
                 responder.unregister_service(info)
 
 
-def test_wait_for_workers_merges_static_and_bonjour(responder: Zeroconf):
+def test_candidates_merge_static_and_bonjour(responder: Zeroconf):
     good = advert("merge")
     info = service(good.node_id, 41011, good.to_txt())
     static = parse_static(["127.0.0.1:41011", "127.0.0.1:41012"])
     with WorkerBrowser(CLUSTER, loopback_only=True) as browser:
         responder.register_service(info, cooperating_responders=True)
         try:
-            found = wait_for_workers(browser, static, expect=2, timeout_s=10)
+            deadline = time.monotonic() + 10
+            while not browser.workers() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            found = merge_candidates(static, browser.workers())
             # Static entries first, the same address counted once, its advert attached.
             assert found == [
                 DiscoveredWorker("127.0.0.1:41011", "static", good),
                 DiscoveredWorker("127.0.0.1:41012", "static", None),
             ]
-            start = time.monotonic()
-            with pytest.raises(DiscoveryError) as err:
-                wait_for_workers(browser, static, expect=3, timeout_s=0.3)
-            assert time.monotonic() - start < 2
-            assert "found 2 of 3 workers within 0.3 s: 127.0.0.1:41011 (static)" in str(err.value)
+            message = shortfall(found, 3, 0.3, browser)
+            assert "found 2 of 3 workers within 0.3 s: 127.0.0.1:41011 (static)" in message
         finally:
             responder.unregister_service(info)
 
 
-def test_wait_without_browser_fails_at_once():
+def test_shortfall_without_browser_names_the_listed_workers():
     static = parse_static(["10.0.0.1:5000"])
-    assert wait_for_workers(None, static, expect=1, timeout_s=60) == static
-    start = time.monotonic()
-    with pytest.raises(DiscoveryError, match=r"expected 2 workers but only 1 were listed"):
-        wait_for_workers(None, static, expect=2, timeout_s=60)
-    assert time.monotonic() - start < 1
+    assert merge_candidates(static, []) == static
+    message = shortfall(static, 2, 60, None)
+    assert "expected 2 workers but only 1 were listed: 10.0.0.1:5000 (static)" in message
 
 
 def test_parse_static():

@@ -8,7 +8,6 @@ import ipaddress
 import queue
 import re
 import threading
-import time
 from dataclasses import dataclass, replace
 
 import grpc
@@ -246,27 +245,11 @@ def probe_worker(
     return info
 
 
-def wait_for_workers(
-    browser: WorkerBrowser | None,
-    static: list[DiscoveredWorker],
-    expect: int,
-    timeout_s: float,
-    poll_s: float = 0.1,
+def merge_candidates(
+    static: list[DiscoveredWorker], seen: list[DiscoveredWorker]
 ) -> list[DiscoveredWorker]:
-    """Static workers (in their order) then discovered ones (by address), deduplicated by
-    address; returns once `expect` are present, raises DiscoveryError on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = _union(static, browser.workers() if browser is not None else [])
-        if len(found) >= expect:
-            return found
-        left = deadline - time.monotonic()
-        if browser is None or left <= 0:
-            raise DiscoveryError(_shortfall(found, expect, timeout_s, browser))
-        time.sleep(min(poll_s, left))
-
-
-def _union(static: list[DiscoveredWorker], seen: list[DiscoveredWorker]) -> list[DiscoveredWorker]:
+    """Static workers (in their order) then discovered ones, deduplicated by address; a
+    listed worker that also advertises keeps its advert."""
     found = {w.address: replace(w) for w in static}
     for w in seen:
         if w.address in found:  # listed and advertised: keep it static, note the advert
@@ -276,9 +259,10 @@ def _union(static: list[DiscoveredWorker], seen: list[DiscoveredWorker]) -> list
     return list(found.values())
 
 
-def _shortfall(
+def shortfall(
     found: list[DiscoveredWorker], expect: int, timeout_s: float, browser: WorkerBrowser | None
 ) -> str:
+    """Why fewer than `expect` workers are known, naming the rejected ones."""
     listed = ", ".join(f"{w.address} ({w.source})" for w in found) or "none"
     if browser is None:
         return f"expected {expect} workers but only {len(found)} were listed: {listed}"

@@ -27,7 +27,7 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.tls import TlsConfig, bind
 from common.tokenizer import Tokenizer
 from coordinator.cluster.cluster_setup import WorkerEntry
-from coordinator.cluster.discovery import WorkerBrowser
+from coordinator.cluster.discovery import WorkerBrowser, shortfall
 from coordinator.cluster.heartbeat import Heartbeat
 from coordinator.cluster.layer_plan import PlanError
 from coordinator.cluster.worker_link import WorkerCallError
@@ -210,9 +210,8 @@ class CoordinatorServer:
         while not self._stopping.is_set():
             found = planner.candidates()
             if len(found) < opts.expect:
-                problem = f"found {len(found)} of the {opts.expect} workers expected"
-                if found:
-                    problem += ": " + ", ".join(c.address for c in found)
+                waited = opts.wait_timeout_s - max(deadline - time.monotonic(), 0)
+                problem = shortfall(found, opts.expect, waited, self.browser)
             else:
                 self.state = "planning"
                 try:
@@ -225,13 +224,7 @@ class CoordinatorServer:
                     problem = str(e)
             self.state, self.waiting = "waiting-for-workers", problem
             if time.monotonic() > deadline:
-                rejected = self.browser.rejected() if self.browser is not None else []
-                if rejected:
-                    problem += "; rejected: " + ", ".join(f"{n} ({why})" for n, why in rejected)
-                raise WedlmError(
-                    f"no pipeline after waiting {opts.wait_timeout_s:g} s: {problem} (if "
-                    "multicast is blocked, list workers with --worker HOST:PORT)"
-                )
+                raise WedlmError(f"no pipeline after waiting {opts.wait_timeout_s:g} s: {problem}")
             self._stopping.wait(1.0)
         raise WedlmError("stopped while waiting for workers")
 

@@ -20,7 +20,12 @@ from coordinator.cluster.cluster_setup import (
     plan_stages,
     probe_all,
 )
-from coordinator.cluster.discovery import DiscoveredWorker, WorkerBrowser, parse_static
+from coordinator.cluster.discovery import (
+    DiscoveredWorker,
+    WorkerBrowser,
+    merge_candidates,
+    parse_static,
+)
 from coordinator.cluster.worker_chain import WorkerChain
 from coordinator.engine.local_layers import LocalLayers
 from coordinator.engine.pipeline import StagePipeline
@@ -56,10 +61,8 @@ class StagePlanner:
 
     def candidates(self) -> list[DiscoveredWorker]:
         """Listed workers first (in their order), then those found over Bonjour."""
-        static = parse_static(self.settings.static)
         found = self.browser.workers() if self.browser is not None else []
-        seen = {c.address for c in static}
-        return static + [c for c in found if c.address not in seen]
+        return merge_candidates(parse_static(self.settings.static), found)
 
     def _local_member(self) -> LocalMember | None:
         if self.local is None:
