@@ -28,9 +28,9 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.engine import mlx_lm_model, random_qwen3
 from common import model_parts
+from common.generation_params import GenerationParams
 from common.model_parts import ModelParts, load_model_parts
 from coordinator.engine.engine import Engine
-from coordinator.engine.generation_params import GenerationParams
 from coordinator.engine.local_engine import resolve_model
 from coordinator.engine.pipeline import LocalPipeline
 from coordinator.engine.sequence import Phase

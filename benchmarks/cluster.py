@@ -30,16 +30,16 @@ if str(ROOT) not in sys.path:  # run as a script: the project root holds tests/ 
 
 from benchmarks import grpc_floor
 from benchmarks.bench_cluster import GPUS_HELP, Cluster
+from common.generation_params import GenerationParams
 from common.model_config import load_model_config
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode_frame
-from coordinator.client.cluster_client import WedlmClient
 from coordinator.cluster.worker_chain import forward_request
 from coordinator.cluster.worker_link import WorkerLink
-from coordinator.engine.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine, resolve_model
 from coordinator.service.results import result_record
 from tests.cluster_harness import cluster_name, start_worker
+from wedlm_client.client import WedlmClient
 
 now = time.perf_counter
 PAYLOADS = (16 * 1024, 256 * 1024, 4 * 1024 * 1024)

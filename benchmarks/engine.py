@@ -21,13 +21,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map_with_path
 
+from common.generation_params import GenerationParams
 from common.kv_rows import KVRows
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.model_parts import ModelParts, load_model_parts, run_layers
 from common.window_mask import window_visibility
 from coordinator.engine.engine import Engine
-from coordinator.engine.generation_params import GenerationParams
 from coordinator.engine.local_engine import resolve_model
 from coordinator.engine.pipeline import LocalPipeline
 from coordinator.engine.row_plan import plan_next

@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from common.generation_params import GenerationParams
 from common.model_parts import load_model_parts
 from common.tokenizer import Tokenizer
 from coordinator.engine.engine import Engine
-from coordinator.engine.generation_params import GenerationParams
 from coordinator.engine.pipeline import LocalPipeline
 from coordinator.service.engine_loop import EngineLoop
 from coordinator.service.jobs import JobRegistry

@@ -31,9 +31,9 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.bench_cluster import GPUS_HELP, Cluster
 from benchmarks.serve_mlxlm import PROMPTS, Rec, Schedule, now, summarize, sweep_in_subprocess
-from coordinator.client.cluster_client import ClusterError, WedlmClient
-from coordinator.engine.generation_params import GenerationParams
+from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import resolve_model
+from wedlm_client.client import ClusterError, WedlmClient
 
 COUNTING = ("Count from 1 to 100: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",)  # where the weak model works
 TARGETS = {"c16_over_c1": 6.0, "ar_over_mlxlm_min": 1.0, "pipeline_p_over_1": 1.3}

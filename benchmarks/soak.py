@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from coordinator.client.cluster_client import ClusterError, WedlmClient
-from coordinator.engine.generation_params import GenerationParams
+from common.generation_params import GenerationParams
+from wedlm_client.client import ClusterError, WedlmClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ is not installed
 from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker

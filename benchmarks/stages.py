@@ -56,9 +56,9 @@ from benchmarks.bench_cluster import Cluster
 from benchmarks.serve import grpc_level, hop_timings, prepare_model, ratio, sweep
 from benchmarks.serve_mlxlm import PROMPTS, Rec, now, sweep_in_subprocess
 from benchmarks.stages_report import TARGETS, plot, summary
+from common.generation_params import GenerationParams
 from common.model_config import load_model_config
-from coordinator.client.cluster_client import ClusterError, WedlmClient
-from coordinator.engine.generation_params import GenerationParams
+from wedlm_client.client import ClusterError, WedlmClient
 
 PHASES = ("fresh", "alone", "single", "hops", "gpus2")
 STARTUP_S = 90  # what a phase's processes take to start, for the time budget (a guess)

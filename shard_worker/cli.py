@@ -90,6 +90,9 @@ def _fail(message: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from common.server_install import require_server_install
+
+    require_server_install(PROG)
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format=f"{PROG}: %(levelname)s %(message)s"
     )

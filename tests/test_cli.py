@@ -15,7 +15,7 @@ import pytest
 def wedlm(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.client.client_cli", *args],
+        [sys.executable, "-m", "wedlm_client.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -12,11 +12,11 @@ import sys
 import grpc
 import pytest
 
+from common.generation_params import GenerationParams
 from common.proto_gen import wedlm_pb2 as pb
-from coordinator.client.cluster_client import ClusterError, WedlmClient
-from coordinator.engine.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from wedlm_client.client import ClusterError, WedlmClient
 
 PROMPTS = ["the cat sat on the mat", "count 1 2 3"]
 SETTINGS = [
@@ -114,7 +114,7 @@ def test_bad_requests_get_invalid_argument(bonjour_cluster):
 
 
 def test_cli_against_the_cluster(bonjour_cluster, model5):
-    run = [sys.executable, "-m", "coordinator.client.client_cli"]
+    run = [sys.executable, "-m", "wedlm_client.cli"]
     out = subprocess.run(
         [
             *run,

@@ -12,9 +12,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model as mlx_lm_load_model
 
 from common.errors import InvalidRequest
+from common.generation_params import GenerationParams
 from common.kv_rows import KVRows
 from common.model_parts import run_layers
-from coordinator.engine.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 from tests.conftest import shared_model
 from tests.reference_wedlm import reference_generate

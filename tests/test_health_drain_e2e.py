@@ -11,9 +11,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.client.cluster_client import ClusterError, WedlmClient
-from coordinator.engine.generation_params import GenerationParams
+from common.generation_params import GenerationParams
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from wedlm_client.client import ClusterError, WedlmClient
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -8,7 +8,7 @@ import sqlite3
 
 import pytest
 
-from coordinator.engine.generation_params import GenerationParams
+from common.generation_params import GenerationParams
 from coordinator.service.job_store import JobStore, JobStoreError
 from coordinator.service.jobs import JobRegistry
 

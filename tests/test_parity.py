@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.engine.generation_params import GenerationParams
+from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 from tests.reference_wedlm import reference_generate
 

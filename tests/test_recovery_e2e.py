@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from coordinator.client.cluster_client import WedlmClient
-from coordinator.engine.generation_params import GenerationParams
+from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from wedlm_client.client import WedlmClient
 
 STREAMS = 8
 PROMPTS = [f"stream {i} says {w}" for i, w in enumerate("abcdefgh")]

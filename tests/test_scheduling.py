@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.generation_params import GenerationParams
 from coordinator.engine.engine import Limits
-from coordinator.engine.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 from coordinator.engine.scheduler import QueueFull
 

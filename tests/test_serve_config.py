@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from common.errors import InvalidRequest, WedlmError
+from common.generation_params import GenerationParams
 from common.proto_gen import wedlm_pb2 as pb
-from coordinator.engine.generation_params import GenerationParams
-from coordinator.service.request_parsing import params_from_request, request_from_params
+from coordinator.service.request_parsing import params_from_request
 from coordinator.service.serve_config import load_serve_config
+from wedlm_client.request_building import request_from_params
 
 
 def test_example_config_loads(tmp_path, monkeypatch):

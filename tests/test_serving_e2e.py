@@ -12,12 +12,12 @@ import grpc
 import pytest
 
 from common.call_auth import call_metadata
+from common.generation_params import GenerationParams
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
-from coordinator.client.cluster_client import ClusterError, WedlmClient
-from coordinator.engine.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from wedlm_client.client import ClusterError, WedlmClient
 
 PROMPTS = [f"request number {i} about {w}" for i, w in enumerate("abcdefgh")]
 

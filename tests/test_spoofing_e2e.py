@@ -12,10 +12,10 @@ from zeroconf import IPVersion, ServiceInfo, Zeroconf
 
 from common.call_auth import PROTOCOL_VERSION
 from common.discovery_record import SERVICE_TYPE, WorkerAdvert
+from common.generation_params import GenerationParams
 from common.model_config import load_model_config
-from coordinator.client.cluster_client import WedlmClient
-from coordinator.engine.generation_params import GenerationParams
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from wedlm_client.client import WedlmClient
 
 
 def register(zc: Zeroconf, advert: WorkerAdvert, port: int) -> ServiceInfo:

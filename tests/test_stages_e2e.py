@@ -15,10 +15,10 @@ import urllib.request
 
 import pytest
 
-from coordinator.client.cluster_client import WedlmClient
-from coordinator.engine.generation_params import GenerationParams
+from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from wedlm_client.client import WedlmClient
 
 PROMPTS = ["the cat sat on the mat", "count 1 2 3", "a b a b a"]
 SETTINGS = [

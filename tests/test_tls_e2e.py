@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
+from common.generation_params import GenerationParams
 from common.tls import load_tls
-from coordinator.client.cluster_client import ClusterError, WedlmClient
-from coordinator.engine.generation_params import GenerationParams
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from wedlm_client.client import ClusterError, WedlmClient
 
 
 def openssl(*args: str) -> None:

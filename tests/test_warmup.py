@@ -8,9 +8,9 @@ import random
 
 import pytest
 
+from common.generation_params import GenerationParams
 from common.kv_rows import SPAN_STEP
 from coordinator.engine.forward_shapes import ShapeLimits, padded_width, round_up, row_bucket
-from coordinator.engine.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 from coordinator.engine.pipeline import LocalPipeline
 from coordinator.engine.warmup import WARM_IDS, warm_up

@@ -15,9 +15,9 @@ import mlx.core as mx
 import numpy as np
 
 from common.errors import InvalidRequest
+from common.generation_params import MAX_WINDOW, GenerationParams
 from common.model_parts import ModelParts
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, row_bucket
-from coordinator.engine.generation_params import MAX_WINDOW, GenerationParams
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sampling import greedy_tokens, sample_tokens

@@ -8,7 +8,7 @@ from enum import Enum
 
 import numpy as np
 
-from coordinator.engine.generation_params import GenerationParams
+from common.generation_params import GenerationParams
 
 
 class Phase(Enum):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
+from common.generation_params import GenerationParams
 from coordinator.engine.engine import Engine
 from coordinator.engine.forward_shapes import (
     WIDE_FROM,
@@ -27,7 +28,6 @@ from coordinator.engine.forward_shapes import (
     row_bucket,
     shape_key,
 )
-from coordinator.engine.generation_params import GenerationParams
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sequence import Sequence
 from coordinator.engine.tick_batch import TickBatch, build_batch

@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 
 from common.errors import WedlmError
-from coordinator.engine.generation_params import GenerationParams
+from common.generation_params import GenerationParams
 
 log = logging.getLogger(__name__)
 SCHEMA = """

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.engine.generation_params import GenerationParams
+from common.generation_params import GenerationParams
 from coordinator.service.job_store import JobStore, decode_request, encode_request
 
 TERMINAL = ("done", "cancelled", "failed")

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from common.errors import WedlmError
 from common.tls import load_tls
-from coordinator.client.client_cli import params_from_args
-from coordinator.client.cluster_client import WedlmClient
 from coordinator.engine.local_engine import resolve_model
 from coordinator.service.server import CoordinatorServer
 from coordinator.service.server_cli import serve_options
+from wedlm_client.cli import params_from_args
+from wedlm_client.client import WedlmClient
 
 START_TIMEOUT_S = 600.0
 

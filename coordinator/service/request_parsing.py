@@ -4,9 +4,9 @@ messages for anything out of range."""
 from __future__ import annotations
 
 from common.errors import InvalidRequest
+from common.generation_params import GenerationParams
 from common.proto_gen import wedlm_pb2 as pb
 from common.tokenizer import Tokenizer
-from coordinator.engine.generation_params import GenerationParams
 
 DEFAULTS = GenerationParams()
 
@@ -45,34 +45,3 @@ def prompt_from_request(req: pb.GenerateRequest, tokenizer: Tokenizer) -> list[i
     if not req.text:
         raise InvalidRequest("the prompt text is empty")
     return tokenizer.encode(req.text, chat=req.chat)
-
-
-def request_from_params(
-    params: GenerationParams,
-    text: str | None = None,
-    ids: list[int] | None = None,
-    chat: bool = False,
-) -> pb.GenerateRequest:
-    """The inverse, for clients."""
-    req = pb.GenerateRequest(
-        chat=chat,
-        mode=params.mode,
-        window=params.window,
-        penalty=params.penalty,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        max_tokens=params.max_tokens,
-        stop_ids=list(params.stop_ids),
-        stop=list(params.stop_strings),
-        seed=params.seed,
-    )
-    if params.threshold is None:
-        req.one_by_one = True
-    else:
-        req.threshold = params.threshold
-    if ids is not None:
-        req.token_ids.ids.extend(ids)
-    else:
-        req.text = text or ""
-    return req

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from common.errors import WedlmError
 from common.layer_range import LayerRange
+from common.server_install import require_server_install
 
 
 def _port(text: str) -> int:
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep serving after the prompt (Ctrl-C stops everything)",
     )
-    from coordinator.client.client_cli import add_generation_flags
+    from wedlm_client.cli import add_generation_flags
 
     add_serve_flags(local)
     local.set_defaults(port=0)
@@ -279,6 +280,7 @@ def main(argv: Seq[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
+    require_server_install(parser.prog)
     try:
         if args.command == "serve":
             apply_config(args, args.subparser)

@@ -1,5 +1,7 @@
-"""`wedlm`: the client command line. `wedlm generate` runs a prompt, locally on a model
-folder (or the built-in default model)."""
+"""`wedlm`: the client command line. `wedlm generate` runs a prompt on a cluster's
+coordinator (or locally on a model folder, which needs the server's install); `status`
+shows a cluster; `submit`, `job`, `wait` and `cancel` manage jobs the cluster keeps.
+Everything but `generate --model` needs only grpcio and protobuf."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 from collections.abc import Sequence as Seq
 
 from common.errors import WedlmError
-from coordinator.engine.generation_params import MAX_WINDOW, GenerationParams
+from common.generation_params import MAX_WINDOW, GenerationParams
 
 
 def _id_list(text: str) -> tuple[int, ...]:
@@ -94,6 +96,26 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--cluster", metavar="HOST:PORT", help="run on a cluster's coordinator")
     add_generation_flags(gen)
     add_tls_flags(gen)
+    submit = sub.add_parser("submit", help="queue a job on a cluster and print its id")
+    submit.add_argument("--cluster", metavar="HOST:PORT", required=True)
+    add_generation_flags(submit)
+    submit.add_argument(
+        "--deadline", type=_bounded(float, 0.0), default=0.0, help="seconds (0 = none)"
+    )
+    add_tls_flags(submit)
+    for name, what in (
+        ("job", "show a job's state (and its result once finished)"),
+        ("wait", "wait for a job to finish and show it"),
+        ("cancel", "cancel a job"),
+    ):
+        cmd = sub.add_parser(name, help=what)
+        cmd.add_argument("job_id")
+        cmd.add_argument("--cluster", metavar="HOST:PORT", required=True)
+        if name == "wait":
+            cmd.add_argument(
+                "--timeout", type=_bounded(float, 0.0), default=0.0, help="seconds (0 = long)"
+            )
+        add_tls_flags(cmd)
     status = sub.add_parser("status", help="show a cluster's workers, ranges and health")
     status.add_argument("--cluster", metavar="HOST:PORT", required=True)
     status.add_argument("--json", action="store_true")
@@ -102,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", help="the coordinator's API key (default: $WEDLM_API_KEY, if set)")
     p.add_argument("--tls-ca", help="PEM CA of a coordinator that serves TLS")
     p.add_argument("--tls-cert", help="PEM client certificate, if the coordinator asks for one")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -113,16 +136,28 @@ def client_tls(args: argparse.Namespace):
     return load_tls(args.tls_cert, args.tls_key, args.tls_ca)
 
 
+def open_client(args: argparse.Namespace, timeout: float = 600.0):
+    from wedlm_client.client import WedlmClient
+
+    return WedlmClient(args.cluster, timeout, tls=client_tls(args), api_key=args.api_key)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     params = params_from_args(args)
     stream = None if args.json else sys.stdout
     if args.cluster:
-        from coordinator.client.cluster_generate import generate_on_cluster
+        from wedlm_client.cluster_generate import generate_on_cluster
 
-        result = generate_on_cluster(args, params, stream)
+        with open_client(args) as client:
+            result = generate_on_cluster(client, args, params, stream)
     else:
-        from coordinator.client.local_generate import generate_locally
-
+        try:
+            from coordinator.engine.local_generate import generate_locally
+        except ImportError as e:  # the client-only install has no MLX
+            raise WedlmError(
+                f"local generation needs the server install ({e.name} is missing): "
+                "pip install 'wedlm-cluster[server]', or pass --cluster HOST:PORT"
+            ) from None
         result = generate_locally(args, params, stream)
     if args.json:
         print(json.dumps(result))
@@ -132,12 +167,33 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from coordinator.client.cluster_client import WedlmClient
-    from coordinator.client.status_view import format_status
+    from wedlm_client.status_view import format_status
 
-    with WedlmClient(args.cluster, timeout=10.0, tls=client_tls(args)) as client:
+    with open_client(args, timeout=10.0) as client:
         status = client.status_dict()
     print(json.dumps(status) if args.json else format_status(status))
+    return 0
+
+
+def run_job_command(args: argparse.Namespace) -> int:
+    """submit / job / wait / cancel: one JSON object on stdout."""
+    from wedlm_client.client import job_dict
+
+    with open_client(args) as client:
+        if args.command == "submit":
+            ids = list(args.prompt_ids) if args.prompt_ids else None
+            job_id = client.submit(
+                args.prompt, ids, args.chat, params_from_args(args), args.deadline
+            )
+            print(json.dumps({"job_id": job_id}))
+            return 0
+        if args.command == "job":
+            job = client.get_job(args.job_id)
+        elif args.command == "wait":
+            job = client.wait_job(args.job_id, args.timeout)
+        else:
+            job = client.cancel_job(args.job_id)
+    print(json.dumps(job_dict(job)))
     return 0
 
 
@@ -145,7 +201,11 @@ def main(argv: Seq[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return run_status(args) if args.command == "status" else run_generate(args)
+        if args.command == "status":
+            return run_status(args)
+        if args.command == "generate":
+            return run_generate(args)
+        return run_job_command(args)
     except WedlmError as e:
         print(f"wedlm: error: {e}", file=sys.stderr)
         return 1

@@ -1,13 +1,18 @@
-"""The public Python client of a wedlm-cluster coordinator.
+"""The Python client of a wedlm-cluster coordinator. It needs grpcio and protobuf only
+(no MLX): `pip install "wedlm-cluster[client]"` on any machine that reaches the cluster.
 
-client = WedlmClient("127.0.0.1:50051")
-for event in client.generate_stream(text="Hello", params=GenerationParams(mode="ar")):
-    ...  # ("tokens", ids, text) as they commit, then ("final", result dict)
-result = client.generate(ids=[1, 2, 3])
+    from wedlm_client import GenerationParams, WedlmClient
+
+    with WedlmClient("mac-studio.local:50051", api_key="...") as client:
+        for event in client.generate_stream(text="Hello", params=GenerationParams(mode="ar")):
+            ...  # ("tokens", ids, text) as they commit, then ("final", result dict)
+        job_id = client.submit(text="A long essay", chat=True)
+        record = client.wait_job(job_id)  # a pb.Job; its result once finished
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,11 +20,13 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from common.errors import WedlmError
+from common.generation_params import GenerationParams
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, open_channel
-from coordinator.engine.generation_params import GenerationParams
-from coordinator.service.request_parsing import request_from_params
+from wedlm_client.request_building import request_from_params
+
+API_KEY_ENV = "WEDLM_API_KEY"
 
 
 class ClusterError(WedlmError):
@@ -47,11 +54,19 @@ def final_dict(final: pb.Final) -> dict[str, Any]:
 
 
 class WedlmClient:
-    def __init__(self, address: str, timeout: float = 600.0, tls: TlsConfig | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float = 600.0,
+        tls: TlsConfig | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.address = address
         self.timeout = timeout
         self.channel = open_channel(address, tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        self.metadata = (("authorization", f"Bearer {key}"),) if key else None
 
     def close(self) -> None:
         self.channel.close()
@@ -64,7 +79,9 @@ class WedlmClient:
 
     def _call(self, method: str, request, timeout: float | None = None):
         try:
-            return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+            return getattr(self.stub, method)(
+                request, timeout=timeout or self.timeout, metadata=self.metadata
+            )
         except grpc.RpcError as e:
             raise ClusterError(e.code(), e.details() or "") from None
 
@@ -77,7 +94,7 @@ class WedlmClient:
     ) -> Iterator[tuple]:
         req = request_from_params(params or GenerationParams(), text, ids, chat)
         try:
-            for event in self.stub.Generate(req, timeout=self.timeout):
+            for event in self.stub.Generate(req, timeout=self.timeout, metadata=self.metadata):
                 if event.WhichOneof("event") == "tokens":
                     yield ("tokens", list(event.tokens.ids), event.tokens.text)
                 else:
@@ -94,8 +111,9 @@ class WedlmClient:
             raise ClusterError(grpc.StatusCode.UNKNOWN, "the stream ended without a result")
         return final
 
-    def submit(self, text=None, ids=None, chat=False, params=None) -> str:
-        req = request_from_params(params or GenerationParams(), text, ids, chat)
+    def submit(self, text=None, ids=None, chat=False, params=None, deadline_s=0.0) -> str:
+        """Queue a job and return its id at once; the cluster keeps its result."""
+        req = request_from_params(params or GenerationParams(), text, ids, chat, deadline_s)
         return self._call("Submit", req).job_id
 
     def get_job(self, job_id: str) -> pb.Job:
@@ -116,3 +134,16 @@ class WedlmClient:
 
     def status_dict(self) -> dict[str, Any]:
         return MessageToDict(self.cluster_status(), preserving_proto_field_name=True)
+
+
+def job_dict(job: pb.Job) -> dict[str, Any]:
+    """A job as plain data (its result, once finished, as `final_dict` gives it)."""
+    record: dict[str, Any] = {
+        "job_id": job.job_id,
+        "state": job.state,
+        "committed_tokens": job.committed_tokens,
+        "created_at": job.created_at,
+    }
+    if job.HasField("result"):
+        record["result"] = final_dict(job.result)
+    return record

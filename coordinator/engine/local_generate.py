@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from coordinator.engine.generation_params import GenerationParams
+from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 from coordinator.service.results import result_record
 
