@@ -81,7 +81,7 @@ class TokenChecker:
         return None
 
 
-def _abort_handler(
+def abort_handler(
     handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, message: str
 ):
     def abort(_request, context):
@@ -113,9 +113,9 @@ class ClusterAuthInterceptor(grpc.ServerInterceptor):
         md = dict(details.invocation_metadata or ())
         problem = self.checker.check(md.get(AUTH_KEY), details.method)
         if problem:
-            return _abort_handler(handler, details.method, grpc.StatusCode.UNAUTHENTICATED, problem)
+            return abort_handler(handler, details.method, grpc.StatusCode.UNAUTHENTICATED, problem)
         if md.get(PROTOCOL_KEY) != str(PROTOCOL_VERSION):
-            return _abort_handler(
+            return abort_handler(
                 handler,
                 details.method,
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -124,7 +124,7 @@ class ClusterAuthInterceptor(grpc.ServerInterceptor):
             )
         model = md.get(MODEL_KEY)
         if model != self.model_identity:
-            return _abort_handler(
+            return abort_handler(
                 handler,
                 details.method,
                 grpc.StatusCode.FAILED_PRECONDITION,

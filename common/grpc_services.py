@@ -109,3 +109,14 @@ def add_service(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),)
     )
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def enable_reflection(server: grpc.Server, services: tuple[str, ...] = ("Coordinator",)) -> None:
+    """gRPC server reflection (grpcio-reflection), so that grpcurl and other generic tools
+    can list and call these services without the .proto file."""
+    from grpc_health.v1 import health_pb2
+    from grpc_reflection.v1alpha import reflection
+
+    names = [pb.DESCRIPTOR.services_by_name[s].full_name for s in services]
+    names += [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)

@@ -37,14 +37,17 @@ class Tokenizer:
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if chat:
-            if not self.has_chat_template:
-                raise CheckpointError("this model's tokenizer has no chat template (drop --chat)")
-            messages = [{"role": "user", "content": text}]
-            ids = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
+            return self.encode_chat([{"role": "user", "content": text}])
         return [int(i) for i in self._hf.encode(text)]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation through the model's chat template, ready for the assistant."""
+        if not self.has_chat_template:
+            raise CheckpointError("this model's tokenizer has no chat template (drop --chat)")
+        ids = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
 
     def decode(self, ids: list[int]) -> str:
         return self._hf.decode(ids, skip_special_tokens=False)

@@ -30,7 +30,7 @@ class Job:
     seq_id: int | None = None
     deadline: float | None = None  # wall-clock time after which the job is cancelled
     on_finish: Callable[[Job], None] | None = field(default=None, repr=False)
-    _listeners: list[queue.Queue] = field(default_factory=list, repr=False)
+    _listeners: list[Callable[[tuple], None]] = field(default_factory=list, repr=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     @property
@@ -40,14 +40,20 @@ class Job:
     def listen(self) -> queue.Queue:
         """A queue receiving ("tokens", ids, text) and finally ("final", result)."""
         q: queue.Queue = queue.Queue()
+        self.listen_with(q.put)
+        return q
+
+    def listen_with(self, put: Callable[[tuple], None]) -> None:
+        """Call `put` with each event, from the engine thread (it must not block): what
+        was committed so far at once, then each commit, then the final result. An asyncio
+        front end passes a put that hands the event to its own loop."""
         with self._cond:
             if self.tokens:
-                q.put(("tokens", list(self.tokens), None))
+                put(("tokens", list(self.tokens), None))
             if self.result is not None:
-                q.put(("final", self.result))
+                put(("final", self.result))
             else:
-                self._listeners.append(q)
-        return q
+                self._listeners.append(put)
 
     def mark_running(self) -> None:
         with self._cond:
@@ -58,8 +64,8 @@ class Job:
         with self._cond:
             self.state = "running"
             self.tokens.extend(ids)
-            for q in self._listeners:
-                q.put(("tokens", ids, text))
+            for put in self._listeners:
+                put(("tokens", ids, text))
 
     def finish(self, state: str, result: dict[str, Any]) -> None:
         with self._cond:
@@ -67,8 +73,8 @@ class Job:
                 return
             self.state = state
             self.result = result
-            for q in self._listeners:
-                q.put(("final", result))
+            for put in self._listeners:
+                put(("final", result))
             self._listeners.clear()
             self._cond.notify_all()
         if self.on_finish is not None:

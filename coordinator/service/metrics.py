@@ -77,6 +77,20 @@ class Metrics:
             registry=r,
         )
 
+        self.http_requests = Counter(
+            "wedlm:http_requests",
+            "HTTP API requests by method, route and status.",
+            ["method", "route", "status"],
+            registry=r,
+        )
+        self.http_duration = Histogram(
+            "wedlm:http_request_duration_seconds",
+            "HTTP API request time (to the end of a streamed answer).",
+            ["route"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port

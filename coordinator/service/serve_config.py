@@ -33,6 +33,10 @@ KEYS: dict[str, tuple[type, str]] = {
     "wait_timeout": (float, "seconds to wait for the layers to be covered"),
     "wait_for_workers": (float, "seconds to wait for the layers to be covered"),
     "state_dir": (str, "folder keeping accepted jobs (SQLite)"),
+    "http_port": (int, "port of the OpenAI-compatible HTTP API"),
+    "api_key_file": (str, "file holding the API key clients must send"),
+    "served_model_name": (str, "the model's name in the APIs"),
+    "default_max_tokens": (int, "max tokens of an HTTP request that names no limit"),
 }
 
 
@@ -56,7 +60,7 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
             raise WedlmError(f"{path}: {key} ({what}) must be a {kind.__name__}, got {value!r}")
         if key == "workers" and not all(isinstance(w, str) and ":" in w for w in value):
             raise WedlmError(f'{path}: workers must be a list of "HOST:PORT" strings')
-        if kind in (int, float) and value <= 0 and key not in ("port", "expect"):
+        if kind in (int, float) and value <= 0 and key not in ("port", "expect", "http_port"):
             raise WedlmError(f"{path}: {key} must be positive, got {value}")
         if key == "warm_up" and value not in ("auto", "on", "off"):
             raise WedlmError(f"{path}: warm_up must be auto, on or off, got {value!r}")
@@ -70,15 +74,22 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
                     f"{path}: layers {value}: the coordinator's layers must start at 0 "
                     "(they come right after the embedding)"
                 )
+        if key in ("port", "http_port") and not 0 <= value <= 65535:
+            raise WedlmError(f"{path}: {key} must be in [0, 65535], got {value}")
         if key == "expect" and value < 0:
             raise WedlmError(f"{path}: expect must be 0 or more, got {value}")
         out["wait_timeout" if key == "wait_for_workers" else key] = value
-    if "secret_file" in out:
-        secret_path = Path(out.pop("secret_file")).expanduser()
-        try:
-            out["secret"] = secret_path.read_text().strip()
-        except OSError as e:
-            raise WedlmError(f"{path}: cannot read secret_file {secret_path}: {e}") from None
-        if not out["secret"]:
-            raise WedlmError(f"{path}: secret_file {secret_path} is empty")
+    for file_key, key in (("secret_file", "secret"), ("api_key_file", "api_key")):
+        if file_key in out:
+            out[key] = _read_secret(path, file_key, Path(out.pop(file_key)).expanduser())
     return out
+
+
+def _read_secret(path: Path, key: str, secret_path: Path) -> str:
+    try:
+        value = secret_path.read_text().strip()
+    except OSError as e:
+        raise WedlmError(f"{path}: cannot read {key} {secret_path}: {e}") from None
+    if not value:
+        raise WedlmError(f"{path}: {key} {secret_path} is empty")
+    return value

@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import host_info
 from common.errors import WedlmError
-from common.grpc_services import MESSAGE_LIMIT, add_service
+from common.grpc_services import MESSAGE_LIMIT, add_service, enable_reflection
 from common.layer_range import LayerRange
 from common.layer_sizes import compute_dtype, kv_bytes_per_token
 from common.model_parts import load_model_parts
@@ -35,6 +35,10 @@ from coordinator.engine.engine import Engine, Limits
 from coordinator.engine.local_layers import LocalLayers
 from coordinator.engine.pipeline import StagePipeline
 from coordinator.engine.warmup import warm_up
+from coordinator.http_api.api_backend import ApiBackend
+from coordinator.http_api.http_server import HttpServer
+from coordinator.service.admission import Admission
+from coordinator.service.api_key import ApiKeyInterceptor
 from coordinator.service.engine_loop import EngineLoop
 from coordinator.service.job_store import JobStore
 from coordinator.service.jobs import JobRegistry
@@ -69,6 +73,10 @@ class ServeOptions:
     keep_finished: int = 10_000  # finished jobs kept (memory stays bounded by this)
     state_dir: Path | None = None  # where accepted jobs are kept (None: not kept)
     tls: TlsConfig = field(default_factory=TlsConfig)  # serves clients, dials workers
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (None: not served)
+    api_key: str | None = None  # clients must send it (HTTP and gRPC), if set
+    served_model_name: str | None = None  # the model's name in the APIs (default: folder)
+    default_max_tokens: int = 2048  # HTTP requests that name no limit
 
 
 class _NotReady:
@@ -120,24 +128,22 @@ class CoordinatorServer:
         self.heartbeat: Heartbeat | None = None
         self.recovery_problem = ""
         self._stopping = threading.Event()
+        self.model_name = opts.served_model_name or opts.model.name
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=64),
             options=[
                 ("grpc.max_send_message_length", MESSAGE_LIMIT),
                 ("grpc.max_receive_message_length", MESSAGE_LIMIT),
             ],
+            interceptors=[ApiKeyInterceptor(opts.api_key)] if opts.api_key else None,
         )
+        self.admission = Admission(self.engine, self.jobs, lambda: self.loop, lambda: self.draining)
         servicer = CoordinatorServicer(
-            self.engine,
-            self.tokenizer,
-            self.jobs,
-            lambda: self.loop,
-            self.cluster_status,
-            opts.model.name,
-            lambda: self.draining,
+            self.engine, self.tokenizer, self.admission, self.cluster_status, self.model_name
         )
         add_service(self.server, servicer, "Coordinator")
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        enable_reflection(self.server)
         # "" and "liveness": the process answers. "readiness": the model is loaded, the
         # workers are planned, the engine progresses when it has work, and it is not draining.
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -147,9 +153,24 @@ class CoordinatorServer:
         self.port = bind(self.server, f"{opts.host}:{opts.port}", opts.tls)
         if self.port == 0:
             raise WedlmError(f"cannot listen on {opts.host}:{opts.port}")
+        self.http: HttpServer | None = None
+        if opts.http_port is not None:
+            backend = ApiBackend(
+                self.admission,
+                self.tokenizer,
+                self.model_name,
+                self.config.max_position_embeddings,
+                opts.default_max_tokens,
+                self.ready_now,
+                self.metrics,
+                opts.api_key,
+            )
+            self.http = HttpServer(backend, opts.host, opts.http_port)
 
     def start(self) -> None:
         self.server.start()
+        if self.http is not None:
+            self.http.start()
         threading.Thread(target=self._assemble, name="planner", daemon=True).start()
 
     @property
@@ -372,6 +393,8 @@ class CoordinatorServer:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.health.enter_graceful_shutdown()
+        if self.http is not None:
+            self.http.stop()
         self.server.stop(grace).wait()
         if self.loop is not None:
             self.loop.stop()

@@ -91,6 +91,24 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         default=None,
         help="serve Prometheus metrics on this HTTP port (0: any free port)",
     )
+    p.add_argument(
+        "--http-port",
+        type=_port,
+        help="also serve the OpenAI-compatible HTTP API on this port (0 = any free port)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("WEDLM_API_KEY"),
+        help="clients must send 'Authorization: Bearer KEY' (HTTP and gRPC; "
+        "default: $WEDLM_API_KEY)",
+    )
+    p.add_argument("--served-model-name", help="the model's name in the APIs (default: folder)")
+    p.add_argument(
+        "--default-max-tokens",
+        type=_positive,
+        default=2048,
+        help="max tokens of an HTTP request that names no limit (capped by the context)",
+    )
     p.add_argument("--kv-reserve-tokens", type=_positive, default=32768)
     p.add_argument(
         "--keep-finished",
@@ -237,6 +255,10 @@ def serve_options(args: argparse.Namespace, **fixed):
         warm_up=args.warm_up,
         layers=args.layers,
         tls=load_tls(args.tls_cert, args.tls_key, args.tls_ca),
+        http_port=args.http_port,
+        api_key=args.api_key or None,
+        served_model_name=args.served_model_name,
+        default_max_tokens=args.default_max_tokens,
     )
     return ServeOptions(**{**shared, **fixed})
 
@@ -256,6 +278,10 @@ def serve(args: argparse.Namespace) -> int:
     server = CoordinatorServer(opts)
     server.start()
     print(f"wedlm-coordinator listening on {args.host}:{server.port}", flush=True)
+    if server.http is not None:
+        print(
+            f"wedlm-coordinator HTTP API on http://{args.host}:{server.http.port}/v1", flush=True
+        )
     if server.metrics_port is not None:
         print(
             f"wedlm-coordinator metrics on http://{args.host}:{server.metrics_port}/metrics",

@@ -4,7 +4,6 @@ engine thread; no decoding happens here."""
 from __future__ import annotations
 
 import queue
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -15,9 +14,15 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tokenizer import Tokenizer
 from coordinator.engine.engine import Engine
-from coordinator.service.engine_loop import EngineLoop
-from coordinator.service.job_store import JobStoreError
-from coordinator.service.jobs import Job, JobRegistry
+from coordinator.service.admission import (
+    INVALID,
+    OVERLOADED,
+    TOO_LARGE,
+    UNAVAILABLE,
+    Admission,
+    Refused,
+)
+from coordinator.service.jobs import Job
 from coordinator.service.request_parsing import params_from_request, prompt_from_request
 
 MAX_WAIT_S = 3600.0
@@ -53,74 +58,42 @@ def job_message(job: Job) -> pb.Job:
     return msg
 
 
+_STATUS = {
+    INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(
         self,
         engine: Engine,
         tokenizer: Tokenizer,
-        jobs: JobRegistry,
-        loop: Callable[[], EngineLoop | None],
+        admission: Admission,
         cluster_status: Callable[[], pb.ClusterStatusReply],
         model_name: str,
-        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.jobs = jobs
-        self.loop = loop  # None until the workers are planned
+        self.admission = admission
+        self.jobs = admission.jobs
         self.cluster_status = cluster_status
         self.model_name = model_name
-        self.draining = draining
-        self._admission = threading.Lock()  # checks and creation happen together
 
     # ---- helpers ---------------------------------------------------------------------
-    def _accept(self, request: pb.GenerateRequest, context) -> Job:
-        loop = self.loop()
-        if self.draining():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down")
-        if loop is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the cluster is not ready (no workers yet)")
+    def _accept(self, request: pb.GenerateRequest, context, listen=None) -> Job:
         try:
-            params = params_from_request(request)
-            prompt = prompt_from_request(request, self.tokenizer)
-            self.engine.validate_prompt(prompt, params)
-            if request.deadline_s < 0 or request.deadline_s != request.deadline_s:
-                raise InvalidRequest(f"deadline_s must be >= 0, got {request.deadline_s}")
-        except (InvalidRequest, CheckpointError) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        budget = self.engine.scheduler.limits.kv_tokens
-        window = 2 * params.window if params.mode == "wedlm" else 1
-        need = len(prompt) + params.max_tokens + window
-        if budget is not None and need > budget:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the request may need {need} KV rows; the workers' free memory holds "
-                f"{budget} (lower max_tokens or add workers)",
-            )
-        with self._admission:
-            self._check_room(len(prompt), context)
+            self.admission.ready_loop()
             try:
-                job = self.jobs.create(prompt, params, request.deadline_s)
-            except JobStoreError as e:  # not written: not accepted
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        loop.submit(job)
-        return job
-
-    def _check_room(self, prompt_tokens: int, context) -> None:
-        """Refuse at once, rather than queue without bound."""
-        limits = self.engine.scheduler.limits
-        active, tokens = self.jobs.load()
-        if active >= limits.max_running + limits.max_queued:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"overloaded: {active} requests accepted ({limits.max_running} run at once, "
-                f"{limits.max_queued} may wait); retry later",
-            )
-        if tokens + prompt_tokens > limits.max_queued_tokens:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"overloaded: {tokens} prompt tokens queued (limit {limits.max_queued_tokens})",
-            )
+                params = params_from_request(request)
+                prompt = prompt_from_request(request, self.tokenizer)
+            except (InvalidRequest, CheckpointError) as e:
+                raise Refused(INVALID, str(e)) from None
+            return self.admission.accept(prompt, params, request.deadline_s, listen)
+        except Refused as e:
+            context.abort(_STATUS[e.kind], str(e))
 
     def _job(self, job_id: str, context) -> Job:
         job = self.jobs.get(job_id)
@@ -130,9 +103,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     # ---- RPCs ----------------------------------------------------------------------
     def Generate(self, request, context) -> Iterator[pb.GenerateEvent]:
-        job = self._accept(request, context)
-        events = job.listen()
-        context.add_callback(lambda: job.finished or self.loop().cancel(job))
+        events: queue.Queue = queue.Queue()
+        job = self._accept(request, context, events.put)
+        context.add_callback(lambda: self.admission.cancel(job))
         while True:
             try:
                 item = events.get(timeout=1.0)
@@ -183,9 +156,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def CancelJob(self, request, context) -> pb.Job:
         job = self._job(request.job_id, context)
-        loop = self.loop()
-        if not job.finished and loop is not None:
-            loop.cancel(job)
+        if not job.finished:
+            self.admission.cancel(job)
             job.wait(5.0)
         return job_message(job)
 

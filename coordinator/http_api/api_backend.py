@@ -1,0 +1,29 @@
+"""What the HTTP API needs from the coordinator: admission into the engine, the
+tokenizer, the served model's name and limits, readiness, metrics and the API key."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from common.tokenizer import Tokenizer
+from coordinator.service.admission import Admission
+from coordinator.service.api_key import bearer_matches
+from coordinator.service.metrics import Metrics
+
+
+@dataclass
+class ApiBackend:
+    admission: Admission
+    tokenizer: Tokenizer
+    model_name: str
+    context: int  # the model's positions
+    default_max_tokens: int  # when a request names no limit (capped by the context left)
+    ready: Callable[[], bool]
+    metrics: Metrics
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def key_matches(self, authorization: str | None) -> bool:
+        return bearer_matches(authorization, self.api_key)

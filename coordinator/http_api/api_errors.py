@@ -1,0 +1,79 @@
+"""Errors in OpenAI's JSON shape, `{"error": {"message", "type", "param", "code"}}`, with
+the status the `openai` package maps to its exception classes."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from coordinator.service.admission import INVALID, OVERLOADED, TOO_LARGE, UNAVAILABLE, Refused
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+STATUS_OF_REFUSAL = {INVALID: 400, TOO_LARGE: 400, OVERLOADED: 429, UNAVAILABLE: 503}
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status)
+
+
+def from_refusal(refusal: Refused, param: str | None = None) -> ApiError:
+    status = STATUS_OF_REFUSAL[refusal.kind]
+    code = {TOO_LARGE: "context_length_exceeded", OVERLOADED: "overloaded"}.get(refusal.kind)
+    return ApiError(status, str(refusal), param if refusal.kind == TOO_LARGE else None, code)
+
+
+def _field(loc: tuple) -> str:
+    """('body', 'messages', 0, 'role') → 'messages[0].role'."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[int]", "list[str]", "list[list[int]]", "list[ContentPart]"):
+            continue  # pydantic names the union member it tried; the field is enough
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+        return JSONResponse(error_body(400, message.rstrip(": ")), 400)
+    field = _field(tuple(first.get("loc", ())))
+    if first.get("type") == "missing":
+        message = f"{field} is required"
+    else:
+        message = f"{field}: {first.get('msg', 'invalid value')}" if field else first.get("msg")
+    return JSONResponse(error_body(400, message, field or None), 400)
+
+
+async def on_api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def on_http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return JSONResponse(error_body(exc.status_code, str(exc.detail)), exc.status_code)

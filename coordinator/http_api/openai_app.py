@@ -1,0 +1,222 @@
+"""The OpenAI-compatible HTTP API (FastAPI): models, chat completions and completions,
+streamed or not, over the same admission, engine and jobs as the gRPC API. No decoding
+happens here: requests become (prompt ids, GenerationParams), events become chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.generation_params import GenerationParams
+from coordinator.http_api.api_backend import ApiBackend
+from coordinator.http_api.api_errors import (
+    ApiError,
+    error_body,
+    from_refusal,
+    on_api_error,
+    on_http_error,
+    on_validation_error,
+)
+from coordinator.http_api.job_events import JobEvents
+from coordinator.http_api.request_counting import CountRequests
+from coordinator.http_api.request_mapping import chat_prompt, completion_prompt, generation_params
+from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
+from coordinator.http_api.stop_text import StopText, trim_at_stop
+from coordinator.service.admission import Refused
+from coordinator.service.jobs import Job
+
+FINISH_REASONS = {"stop": "stop", "length": "length"}  # others: the request was aborted
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _Reply:
+    """The ids, object names and shapes of one request's answer (chat or text)."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.model = model
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list, **extra) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, **extra}  # fmt: skip
+
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> str:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return _sse(self._envelope("chat.completion.chunk", [choice]))
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        return _sse(self._envelope("text_completion", [choice]))
+
+    def usage_chunk(self, usage: dict[str, int]) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return _sse(self._envelope(obj, [], usage=usage))
+
+    def whole(self, text: str, finish: str, usage: dict[str, int]) -> dict[str, Any]:
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+            return self._envelope("chat.completion", [choice], usage=usage)
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return self._envelope("text_completion", [choice], usage=usage)
+
+
+def _usage(result: dict[str, Any]) -> dict[str, int]:
+    prompt, completion = result["prompt_tokens"], len(result["tokens"])
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+def build_app(backend: ApiBackend) -> FastAPI:
+    app = FastAPI(title="wedlm-cluster", docs_url=None, redoc_url=None)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_middleware(CountRequests, metrics=backend.metrics)
+
+    async def authorized(authorization: str | None = Header(default=None)) -> None:
+        if not backend.key_matches(authorization):
+            problem = "Incorrect API key provided" if authorization else "Missing API key"
+            raise ApiError(401, f"{problem} (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")  # fmt: skip
+
+    def check_model(name: str) -> None:
+        if name != backend.model_name:
+            raise ApiError(404, f"The model {name!r} does not exist: this server serves "
+                           f"{backend.model_name!r}", "model", "model_not_found")  # fmt: skip
+
+    def prepare(body: GenerationFields, chat: bool) -> tuple[list[int], GenerationParams]:
+        """On a worker thread: tokenization and the chat template can take milliseconds."""
+        if chat:
+            prompt = chat_prompt(body, backend.tokenizer)  # type: ignore[arg-type]
+        else:
+            prompt = completion_prompt(body, backend.tokenizer)  # type: ignore[arg-type]
+        params = generation_params(
+            body, len(prompt), backend.context, backend.default_max_tokens
+        )
+        return prompt, params
+
+    async def start(body: GenerationFields, chat: bool) -> tuple[Job, JobEvents]:
+        check_model(body.model)
+        prompt, params = await run_in_threadpool(prepare, body, chat)
+        events = JobEvents(asyncio.get_running_loop())
+        try:
+            job = await run_in_threadpool(backend.admission.accept, prompt, params, 0.0,
+                                          events.put)  # fmt: skip
+        except Refused as e:
+            limit = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else (
+                "max_tokens"
+            )
+            raise from_refusal(e, limit) from None
+        return job, events
+
+    async def answer(request: Request, body: GenerationFields, chat: bool):
+        job, events = await start(body, chat)
+        reply = _Reply(chat, backend.model_name)
+        stops = job.params.stop_strings
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _stream(request, job, events, reply, stops, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            while (event := await events.next(request)) is not None:
+                if event[0] == "final":
+                    return _whole(reply, event[1], stops)
+            return JSONResponse(error_body(400, "client disconnected"), 499)
+        finally:
+            if not job.finished:  # the client went away (or the server stops): free its KV
+                backend.admission.cancel(job)
+
+    async def _stream(request, job, events, reply, stops, include_usage) -> AsyncIterator[str]:
+        trimmer = StopText(stops)
+        try:
+            if reply.chat:
+                yield reply.chunk(None, role=True)
+            while (event := await events.next(request)) is not None:
+                if event[0] == "tokens":
+                    if text := trimmer.add(event[2]):
+                        yield reply.chunk(text)
+                    continue
+                result = event[1]
+                if result.get("error"):
+                    yield _sse(error_body(500, f"generation failed: {result['error']}"))
+                else:
+                    if tail := trimmer.finish():
+                        yield reply.chunk(tail)
+                    reason = FINISH_REASONS.get(result["finish_reason"] or "", "abort")
+                    yield reply.chunk(None, finish=reason)
+                    if include_usage:
+                        yield reply.usage_chunk(_usage(result))
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            if not job.finished:  # disconnected mid-stream: cancel, so its KV is freed
+                backend.admission.cancel(job)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(backend)]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorized)])
+    async def model(model: str) -> dict[str, Any]:
+        check_model(model)
+        return _model_card(backend)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await answer(request, body, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request):
+        return await answer(request, body, chat=False)
+
+    @app.get("/health")
+    @app.get("/health/live")
+    async def live() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/health/ready")
+    async def ready() -> JSONResponse:
+        ok = backend.ready()
+        return JSONResponse({"status": "ready" if ok else "not ready"}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        body = generate_latest(backend.metrics.registry)
+        return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _whole(reply: _Reply, result: dict[str, Any], stops: tuple[str, ...]) -> JSONResponse:
+    if result.get("error"):
+        raise ApiError(500, f"generation failed: {result['error']}", code="generation_failed")
+    reason = FINISH_REASONS.get(result["finish_reason"] or "", "abort")
+    text = trim_at_stop(result["text"], stops)
+    return JSONResponse(reply.whole(text, reason, _usage(result)))
+
+
+def _model_card(backend: ApiBackend) -> dict[str, Any]:
+    return {"id": backend.model_name, "object": "model", "created": backend.created,
+            "owned_by": "wedlm-cluster", "max_model_len": backend.context}  # fmt: skip

@@ -1,0 +1,132 @@
+"""An OpenAI request → the prompt's token ids and GenerationParams. Each problem becomes
+an ApiError(400) naming the field. Omitted WeDLM fields take the server's defaults; an
+omitted temperature means greedy decoding (the server default, as mlx-lm's server does)."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import replace
+
+from common.errors import CheckpointError, InvalidRequest
+from common.generation_params import GenerationParams
+from common.tokenizer import Tokenizer
+from coordinator.http_api.api_errors import ApiError
+from coordinator.http_api.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerationFields,
+)
+
+DEFAULTS = GenerationParams()
+MAX_STOP_STRINGS = 16
+# The error messages of GenerationParams.validate name their field first.
+_PARAM_FIELDS = ("mode", "window", "threshold", "penalty", "temperature", "top_p", "top_k",
+                 "max_tokens", "seed")  # fmt: skip
+
+
+def _message_text(i: int, message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise ApiError(
+                400,
+                f"messages[{i}].content[{j}]: parts of type {part.type!r} are not supported "
+                "(this model reads text only)",
+                f"messages[{i}].content[{j}].type",
+            )
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": _message_text(i, m)}
+        for i, m in enumerate(body.messages)
+    ]
+    try:
+        return tokenizer.encode_chat(messages)
+    except CheckpointError:
+        raise ApiError(
+            400,
+            "this model has no chat template: use /v1/completions with a plain prompt",
+            "messages",
+        ) from None
+    except Exception as e:  # a template may refuse an order of roles it does not know
+        raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from e
+
+
+def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, f"prompt: one prompt per request, got {len(prompt)}", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", "prompt")
+        return tokenizer.encode(prompt)
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", "prompt")
+    return [int(t) for t in prompt]
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(strings) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} strings", "stop")
+    if any(not s for s in strings):
+        raise ApiError(400, "stop: stop strings must not be empty", "stop")
+    return strings
+
+
+def generation_params(
+    body: GenerationFields, prompt_tokens: int, context: int, default_max_tokens: int
+) -> GenerationParams:
+    problem = body.unsupported()
+    if problem is not None:
+        field, why = problem
+        raise ApiError(400, why if why.startswith(field) else f"{field}: {why}", field)
+    threshold = DEFAULTS.threshold if body.threshold is None else body.threshold
+    if body.one_by_one:
+        if body.threshold is not None:
+            raise ApiError(400, "threshold and one_by_one are exclusive", "one_by_one")
+        threshold = None
+    try:
+        params = GenerationParams(
+            mode=body.mode or DEFAULTS.mode,
+            window=DEFAULTS.window if body.window is None else body.window,
+            threshold=threshold,
+            penalty=DEFAULTS.penalty if body.penalty is None else body.penalty,
+            temperature=0.0 if body.temperature is None else body.temperature,
+            top_p=DEFAULTS.top_p if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            max_tokens=1,  # decided below, once the window is known to be valid
+            stop_ids=tuple(body.stop_token_ids or ()),
+            stop_strings=_stop_strings(body.stop),
+            seed=secrets.randbelow(2**32) if body.seed is None else body.seed % 2**32,
+        )
+    except InvalidRequest as e:
+        message = str(e)
+        field = next((f for f in _PARAM_FIELDS if message.startswith(f)), None)
+        if message.startswith("stop ids"):
+            field, message = "stop_token_ids", f"stop_token_ids: {message}"
+        raise ApiError(400, message, field) from None
+    room = context - prompt_tokens - (2 * params.window if params.mode == "wedlm" else 1)
+    max_tokens = body.limit()
+    limit_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else (
+        "max_tokens"
+    )
+    if max_tokens is not None and max_tokens > room:
+        raise ApiError(
+            400,
+            f"{limit_field} is {max_tokens}, but the prompt's {prompt_tokens} tokens leave "
+            f"room for {max(room, 0)} in this model's context of {context}",
+            limit_field,
+            "context_length_exceeded",
+        )
+    if max_tokens is None:
+        max_tokens = max(1, min(default_max_tokens, room))
+    return replace(params, max_tokens=max_tokens)

@@ -1,0 +1,115 @@
+"""The OpenAI request bodies the HTTP API accepts, as pydantic models (FastAPI validates
+them; a failure becomes a 400 naming the field). WeDLM's controls ride along as extra
+body fields, which the `openai` package sends with `extra_body`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored (clients send vendor fields freely); fields that ask for
+    # something this server cannot do are refused by `unsupported()`.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class GenerationFields(_Body):
+    """What chat and text completions share: sampling, stopping, streaming, WeDLM."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # asked-for features this server does not have: refused, never silently ignored
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # WeDLM and sampling extras (extra_body)
+    mode: Literal["wedlm", "ar"] | None = None
+    window: int | None = None
+    threshold: float | None = Field(default=None, allow_inf_nan=False)
+    one_by_one: bool = False
+    penalty: float | None = Field(default=None, allow_inf_nan=False)
+    top_k: int | None = None
+    stop_token_ids: list[int] | None = None
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for the first field that asks for what this server cannot do."""
+        if self.n not in (None, 1):
+            return "n", f"n must be 1 (one choice per request), got {self.n}"
+        if self.logprobs not in (None, False, 0):
+            return "logprobs", "logprobs are not available from this server"
+        if self.top_logprobs:
+            return "top_logprobs", "logprobs are not available from this server"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                return name, f"{name} is not supported (use the WeDLM `penalty` field)"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options", "stream_options applies only when stream is true"
+        return None
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.tools:
+            return "tools", "tool calls are not supported by this server"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool calls are not supported by this server"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format", "only the text response format is supported"
+        return super().unsupported()
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported"
+        if self.suffix:
+            return "suffix", "suffix (fill-in-the-middle) is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", f"best_of must be 1, got {self.best_of}"
+        return super().unsupported()

@@ -1,0 +1,104 @@
+"""Admission of a generation request, shared by the gRPC and HTTP front ends: validate
+it, check that it can ever fit and that the queues have room, then create and persist its
+job and hand it to the engine thread. Refusals say why, with a kind each front end maps
+to its own status (INVALID_ARGUMENT / 400, RESOURCE_EXHAUSTED / 429, UNAVAILABLE / 503)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from common.errors import CheckpointError, InvalidRequest, WedlmError
+from common.generation_params import GenerationParams
+from coordinator.engine.engine import Engine
+from coordinator.service.engine_loop import EngineLoop
+from coordinator.service.job_store import JobStoreError
+from coordinator.service.jobs import Job, JobRegistry
+
+INVALID, TOO_LARGE, OVERLOADED, UNAVAILABLE = "invalid", "too_large", "overloaded", "unavailable"
+
+
+class Refused(WedlmError):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Admission:
+    def __init__(
+        self,
+        engine: Engine,
+        jobs: JobRegistry,
+        loop: Callable[[], EngineLoop | None],
+        draining: Callable[[], bool],
+    ) -> None:
+        self.engine = engine
+        self.jobs = jobs
+        self.loop = loop  # None until the pipeline is planned
+        self.draining = draining
+        self._lock = threading.Lock()  # checks and creation happen together
+
+    def ready_loop(self) -> EngineLoop:
+        loop = self.loop()
+        if self.draining():
+            raise Refused(UNAVAILABLE, "the coordinator is shutting down")
+        if loop is None:
+            raise Refused(UNAVAILABLE, "the cluster is not ready (no workers yet)")
+        return loop
+
+    def accept(
+        self,
+        prompt: list[int],
+        params: GenerationParams,
+        deadline_s: float = 0.0,
+        listen: Callable[[tuple], None] | None = None,
+    ) -> Job:
+        """Create the job and start it; `listen` (see Job.listen_with) is attached before
+        the engine sees the job, so that no commit reaches it without its text."""
+        loop = self.ready_loop()
+        try:
+            self.engine.validate_prompt(prompt, params)
+            if deadline_s < 0 or deadline_s != deadline_s:
+                raise InvalidRequest(f"deadline_s must be >= 0, got {deadline_s}")
+        except (InvalidRequest, CheckpointError) as e:
+            raise Refused(INVALID, str(e)) from None
+        budget = self.engine.scheduler.limits.kv_tokens
+        window = 2 * params.window if params.mode == "wedlm" else 1
+        need = len(prompt) + params.max_tokens + window
+        if budget is not None and need > budget:
+            raise Refused(
+                TOO_LARGE,
+                f"the request may need {need} KV rows; the workers' free memory holds "
+                f"{budget} (lower max_tokens or add workers)",
+            )
+        with self._lock:
+            self._check_room(len(prompt))
+            try:
+                job = self.jobs.create(prompt, params, deadline_s)
+            except JobStoreError as e:  # not written: not accepted
+                raise Refused(UNAVAILABLE, str(e)) from None
+        if listen is not None:
+            job.listen_with(listen)
+        loop.submit(job)
+        return job
+
+    def _check_room(self, prompt_tokens: int) -> None:
+        """Refuse at once, rather than queue without bound."""
+        limits = self.engine.scheduler.limits
+        active, tokens = self.jobs.load()
+        if active >= limits.max_running + limits.max_queued:
+            raise Refused(
+                OVERLOADED,
+                f"overloaded: {active} requests accepted ({limits.max_running} run at once, "
+                f"{limits.max_queued} may wait); retry later",
+            )
+        if tokens + prompt_tokens > limits.max_queued_tokens:
+            raise Refused(
+                OVERLOADED,
+                f"overloaded: {tokens} prompt tokens queued (limit {limits.max_queued_tokens})",
+            )
+
+    def cancel(self, job: Job) -> None:
+        loop = self.loop()
+        if not job.finished and loop is not None:
+            loop.cancel(job)

@@ -1,0 +1,46 @@
+"""The API key clients present (`--api-key` / WEDLM_API_KEY), as `Authorization: Bearer
+KEY`: an HTTP header, or gRPC metadata on the coordinator's client service. Health checks
+and reflection stay open, for load balancers and generic tools."""
+
+from __future__ import annotations
+
+import hmac
+import os
+
+import grpc
+
+from common.call_auth import abort_handler
+
+API_KEY_ENV = "WEDLM_API_KEY"
+OPEN_GRPC_PREFIXES = ("/grpc.health", "/grpc.reflection")
+
+
+def api_key_from_env() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def bearer_matches(authorization: str | None, key: str | None) -> bool:
+    if not key:
+        return True
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+class ApiKeyInterceptor(grpc.ServerInterceptor):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or details.method.startswith(OPEN_GRPC_PREFIXES):
+            return handler
+        md = dict(details.invocation_metadata or ())
+        if bearer_matches(md.get("authorization"), self.key):
+            return handler
+        problem = "a wrong API key" if md.get("authorization") else "no API key"
+        return abort_handler(
+            handler,
+            details.method,
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"{problem}: send 'authorization: Bearer <key>' (wedlm --api-key, WEDLM_API_KEY)",
+        )
