@@ -117,3 +117,37 @@ def test_bad_models_and_prompts(model, tmp_path):
         out = wedlm("generate", *args)
         assert out.returncode == 1, (args, out.stderr)
         assert message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--http-port", "70000"], "--http-port: port must be in [0, 65535]"),
+        (["--http-port", "web"], "--http-port: expected a port number"),
+        (["--default-max-tokens", "0"], "--default-max-tokens: must be >= 1"),
+    ],
+)
+def test_coordinator_http_flags(model, args, message):
+    out = subprocess.run(
+        [sys.executable, "-m", "coordinator.service.server_cli", "serve", "--model", model,
+         *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_http_port_taken(model):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        out = subprocess.run(
+            [sys.executable, "-m", "coordinator.service.server_cli", "serve", "--model", model,
+             "--port", "0", "--http-port", port, "--no-bonjour", "--state-dir", "none"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert out.returncode == 1
+    assert f"cannot serve HTTP on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from common.errors import InvalidRequest, WedlmError
@@ -20,6 +22,14 @@ def test_example_config_loads(tmp_path, monkeypatch):
     assert cfg["cluster"] == "studio" and cfg["expect"] == 3 and cfg["secret"] == "s3cret"
     assert cfg["workers"][0] == "mac-studio.local:50061"
     assert cfg["keep_finished"] == 10000
+    assert cfg["http_port"] == 8000 and cfg["default_max_tokens"] == 2048
+
+
+def test_api_key_file(tmp_path):
+    (tmp_path / "key").write_text("k3y\n")
+    path = tmp_path / "c.toml"
+    path.write_text(f"api_key_file = '{tmp_path / 'key'}'\nhttp_port = 0")
+    assert load_serve_config(path) == {"api_key": "k3y", "http_port": 0}
 
 
 @pytest.mark.parametrize(
@@ -35,12 +45,16 @@ def test_example_config_loads(tmp_path, monkeypatch):
         ("bonjour = 'yes'", "bonjour (find workers over Bonjour) must be a bool"),
         ("secret_file = '/nonexistent/secret'", "cannot read secret_file"),
         ("[coordinator\nmodel = 'x'", "not valid TOML"),
+        ("http_port = 70000", "http_port must be in [0, 65535]"),
+        ("http_port = '8000'", "http_port (port of the OpenAI-compatible HTTP API) must be an int"),
+        ("api_key_file = '/nonexistent/key'", "cannot read api_key_file"),
+        ("default_max_tokens = 0", "default_max_tokens must be positive"),
     ],
 )
 def test_bad_configs(tmp_path, text, message):
     path = tmp_path / "c.toml"
     path.write_text(text)
-    with pytest.raises(WedlmError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(WedlmError, match=re.escape(message)):
         load_serve_config(path)
 
 

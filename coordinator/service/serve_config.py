@@ -57,7 +57,10 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise WedlmError(f"{path}: {key} ({what}) must be a {kind.__name__}, got {value!r}")
+            article = "an" if kind is int else "a"
+            raise WedlmError(
+                f"{path}: {key} ({what}) must be {article} {kind.__name__}, got {value!r}"
+            )
         if key == "workers" and not all(isinstance(w, str) and ":" in w for w in value):
             raise WedlmError(f'{path}: workers must be a list of "HOST:PORT" strings')
         if kind in (int, float) and value <= 0 and key not in ("port", "expect", "http_port"):
