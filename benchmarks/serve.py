@@ -10,6 +10,7 @@ serve.json + serve.png to --out.
   python benchmarks/serve.py --model default --concurrency 1 2 4 8 --max-tokens 24
   python benchmarks/serve.py --model default --workers 0 --phases mlxlm sweep   # coordinator alone
   python benchmarks/serve.py --model random-qwen3-8b --workers 2 --phases pipeline
+  python benchmarks/serve.py --model default --workers 0 --phases http --concurrency 1 16 32
 """
 
 from __future__ import annotations
@@ -30,14 +31,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_cluster import GPUS_HELP, Cluster
+from benchmarks.serve_http import http_url_of, http_vs_grpc, plot_http
 from benchmarks.serve_mlxlm import PROMPTS, Rec, Schedule, now, summarize, sweep_in_subprocess
 from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import resolve_model
 from wedlm_client.client import ClusterError, WedlmClient
 
 COUNTING = ("Count from 1 to 100: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",)  # where the weak model works
-TARGETS = {"c16_over_c1": 6.0, "ar_over_mlxlm_min": 1.0, "pipeline_p_over_1": 1.3}
-PHASES = ("sweep", "mlxlm", "pipeline", "wedlm")
+TARGETS = {"c16_over_c1": 6.0, "ar_over_mlxlm_min": 1.0, "pipeline_p_over_1": 1.3,
+           "http_over_grpc_tok_s": 0.95}  # fmt: skip
+PHASES = ("sweep", "mlxlm", "pipeline", "wedlm", "http")
 
 
 # ---- the closed loop over gRPC -------------------------------------------------------------
@@ -128,6 +131,10 @@ def targets(result: dict, levels: list[int]) -> dict:
         t["ar_over_mlxlm_note"] = f"ours in --mode {result['mode']} vs mlx-lm AR"
     if "pipeline" in result:
         t["pipeline_p_over_1"] = result["pipeline"]["ratio"]
+    if "http_vs_grpc" in result:
+        t["http_over_grpc_tok_s"] = {
+            c: v["http_over_grpc_tok_s"] for c, v in result["http_vs_grpc"]["levels"].items()
+        }
     return t
 
 
@@ -174,12 +181,19 @@ def run_cluster_phases(result: dict, model: Path, args) -> None:
     levels, top = sorted(args.concurrency), max(args.concurrency)
     params = GenerationParams(mode=args.mode, max_tokens=args.max_tokens)
     cluster = Cluster(model, args.workers, top, gpus=args.gpus, local=args.local_layers)
+    if "http" in args.phases:
+        cluster.flags = ("--http-port", "0")
     try:
         if "sweep" in args.phases:
             result["sweep"] = sweep(cluster.start_coordinator(), levels, PROMPTS, params, args)
             save(result, args, partial=True)
         if "pipeline" in args.phases and args.workers >= 2:
             result["pipeline"] = pipeline_rounds(cluster, top, params, args)
+            save(result, args, partial=True)
+        if "http" in args.phases:
+            address = cluster.start_coordinator()
+            url = http_url_of(cluster.coordinator.log)
+            result["http_vs_grpc"] = http_vs_grpc(address, url, model.name, levels, params, args)
             save(result, args, partial=True)
     finally:
         cluster.stop()
@@ -266,6 +280,8 @@ def main() -> None:
         default=2,
         help="rounds of (1, P) micro-batches in flight; the first is a warm-up",
     )
+    ap.add_argument("--client-processes", type=int, default=4, help="http phase: load processes")
+    ap.add_argument("--http-rounds", type=int, default=2, help="http phase: rounds per level")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     args = ap.parse_args()
     if args.pipeline_rounds < 1:
@@ -300,7 +316,7 @@ def main() -> None:
         if "mlxlm" in args.phases:  # first: its process is gone before the cluster starts
             result["mlxlm"] = sweep_in_subprocess(model, args)
             save(result, args, partial=True)
-        if {"sweep", "pipeline"} & set(args.phases):
+        if {"sweep", "pipeline", "http"} & set(args.phases):
             run_cluster_phases(result, model, args)
         if args.wedlm_model and "wedlm" in args.phases:
             run_wedlm_phase(result, args)
@@ -314,6 +330,8 @@ def main() -> None:
     try:
         if "sweep" in result or "mlxlm" in result:
             plot(result, args.out / "serve.png")
+        if "http_vs_grpc" in result:
+            plot_http(result, args.out / "serve-http.png")
     except ImportError:
         result["plot"] = "matplotlib missing"
     save(result, args)
