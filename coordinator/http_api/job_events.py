@@ -5,6 +5,7 @@ request's coroutine awaits `next`, which also notices a client that went away.""
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 from starlette.requests import Request
 
@@ -14,30 +15,34 @@ DISCONNECT_POLL_S = 0.5
 class JobEvents:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._queue: asyncio.Queue[tuple] = asyncio.Queue()
+        self._events: deque[tuple] = deque()
+        self._arrived = asyncio.Event()
 
     def put(self, event: tuple) -> None:
         """Job.listen_with's sink, called on the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        self._loop.call_soon_threadsafe(self._push, event)
+
+    def _push(self, event: tuple) -> None:
+        self._events.append(event)
+        self._arrived.set()
 
     async def next(self, request: Request) -> tuple | None:
         """The next event, with the commits already waiting merged into one
         ("tokens", ids, text) so that a busy tick sends one chunk, not many; None when
         the client disconnected."""
-        while True:
+        while not self._events:  # under load commits usually wait already: no timer then
+            self._arrived.clear()
             try:
-                event = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
-                break
+                await asyncio.wait_for(self._arrived.wait(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if await request.is_disconnected():
                     return None
+        event = self._events.popleft()
         if event[0] != "tokens":
             return event
         ids, text = list(event[1]), [event[2] or ""]
-        while not self._queue.empty():
-            if self._queue._queue[0][0] != "tokens":  # leave the final for the next call
-                break
-            more = self._queue.get_nowait()
+        while self._events and self._events[0][0] == "tokens":  # the final waits its turn
+            more = self._events.popleft()
             ids += more[1]
             text.append(more[2] or "")
         return ("tokens", ids, "".join(text))

@@ -18,7 +18,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from common.generation_params import GenerationParams
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import (
     ApiError,
@@ -51,10 +50,23 @@ class _Reply:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
+        # A text chunk is this prefix, the JSON string, this suffix: built once per
+        # request, since a stream sends one per commit.
+        head = _sse(self._envelope("chat.completion.chunk" if chat else "text_completion", []))
+        head = head.removesuffix("]}\n\n")
+        if chat:
+            self._text_prefix = head + '{"index":0,"delta":{"content":'
+            self._text_suffix = '},"finish_reason":null,"logprobs":null}]}\n\n'
+        else:
+            self._text_prefix = head + '{"index":0,"text":'
+            self._text_suffix = ',"finish_reason":null,"logprobs":null}]}\n\n'
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}  # fmt: skip
+
+    def text_chunk(self, text: str) -> str:
+        return self._text_prefix + json.dumps(text) + self._text_suffix
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> str:
         if self.chat:
@@ -103,8 +115,9 @@ def build_app(backend: ApiBackend) -> FastAPI:
             raise ApiError(404, f"The model {name!r} does not exist: this server serves "
                            f"{backend.model_name!r}", "model", "model_not_found")  # fmt: skip
 
-    def prepare(body: GenerationFields, chat: bool) -> tuple[list[int], GenerationParams]:
-        """On a worker thread: tokenization and the chat template can take milliseconds."""
+    def admit(body: GenerationFields, chat: bool, events: JobEvents) -> Job:
+        """On a worker thread (one hop per request): the chat template and tokenization can
+        take milliseconds, and admission may write the job to the store."""
         if chat:
             prompt = chat_prompt(body, backend.tokenizer)  # type: ignore[arg-type]
         else:
@@ -112,15 +125,13 @@ def build_app(backend: ApiBackend) -> FastAPI:
         params = generation_params(
             body, len(prompt), backend.context, backend.default_max_tokens
         )
-        return prompt, params
+        return backend.admission.accept(prompt, params, 0.0, events.put)
 
     async def start(body: GenerationFields, chat: bool) -> tuple[Job, JobEvents]:
         check_model(body.model)
-        prompt, params = await run_in_threadpool(prepare, body, chat)
         events = JobEvents(asyncio.get_running_loop())
         try:
-            job = await run_in_threadpool(backend.admission.accept, prompt, params, 0.0,
-                                          events.put)  # fmt: skip
+            job = await run_in_threadpool(admit, body, chat, events)
         except Refused as e:
             limit = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else (
                 "max_tokens"
@@ -156,14 +167,14 @@ def build_app(backend: ApiBackend) -> FastAPI:
             while (event := await events.next(request)) is not None:
                 if event[0] == "tokens":
                     if text := trimmer.add(event[2]):
-                        yield reply.chunk(text)
+                        yield reply.text_chunk(text)
                     continue
                 result = event[1]
                 if result.get("error"):
                     yield _sse(error_body(500, f"generation failed: {result['error']}"))
                 else:
                     if tail := trimmer.finish():
-                        yield reply.chunk(tail)
+                        yield reply.text_chunk(tail)
                     reason = FINISH_REASONS.get(result["finish_reason"] or "", "abort")
                     yield reply.chunk(None, finish=reason)
                     if include_usage:
