@@ -121,6 +121,8 @@ def test_greedy_chat_equals_wedlm_generate(cluster, client):
         assert answer.usage.prompt_tokens == expected["prompt_tokens"]
         assert answer.choices[0].finish_reason == expected["finish_reason"]
         assert answer.object == "chat.completion" and answer.id.startswith("chatcmpl-")
+    short = chat(client, cluster, max_tokens=None, max_completion_tokens=3)
+    assert short.usage.completion_tokens <= 3
 
 
 def test_streaming_with_usage_matches_the_whole_answer(cluster, client):
