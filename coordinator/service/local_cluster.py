@@ -89,6 +89,9 @@ def run_local(args: argparse.Namespace) -> int:
         print(
             f"local cluster {cluster} at {address}: {server.layout()}", file=sys.stderr, flush=True
         )
+        if server.http is not None:
+            url = f"http://127.0.0.1:{server.http.port}/v1"
+            print(f"OpenAI-compatible HTTP API on {url}", file=sys.stderr, flush=True)
         if args.prompt or args.prompt_ids:
             _answer(address, args)
         if args.keep_running:
@@ -111,7 +114,7 @@ def _answer(address: str, args: argparse.Namespace) -> None:
     params = params_from_args(args)
     ids = list(args.prompt_ids) if args.prompt_ids else None
     tls = load_tls(args.tls_cert, args.tls_key, args.tls_ca)
-    with WedlmClient(address, tls=tls) as client:
+    with WedlmClient(address, tls=tls, api_key=args.api_key) as client:
         final = {}
         for event in client.generate_stream(args.prompt, ids, args.chat, params):
             if event[0] == "tokens" and not args.json and event[2]:
