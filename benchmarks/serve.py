@@ -31,11 +31,12 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_cluster import GPUS_HELP, Cluster
+from benchmarks.grpc_request import stream_request
 from benchmarks.serve_http import http_url_of, http_vs_grpc, plot_http
 from benchmarks.serve_mlxlm import PROMPTS, Rec, Schedule, now, summarize, sweep_in_subprocess
 from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import resolve_model
-from wedlm_client.client import ClusterError, WedlmClient
+from wedlm_client.client import WedlmClient
 
 COUNTING = ("Count from 1 to 100: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",)  # where the weak model works
 TARGETS = {"c16_over_c1": 6.0, "ar_over_mlxlm_min": 1.0, "pipeline_p_over_1": 1.3,
@@ -54,16 +55,7 @@ def grpc_level(address: str, c: int, prompts, params: GenerationParams, args) ->
             for k in itertools.count(i, c):
                 if (rec := schedule.next()) is None:
                     return
-                try:
-                    text = prompts[k % len(prompts)]
-                    for event in client.generate_stream(text=text, params=params):
-                        if event[0] == "tokens":
-                            rec.events.append((now(), len(event[1])))
-                        else:
-                            rec.final = event[1]
-                            rec.error = "FINAL_ERROR" if event[1].get("error") else None
-                except ClusterError as e:
-                    rec.error = e.code.name
+                if not stream_request(client, prompts[k % len(prompts)], params, rec):
                     time.sleep(0.05)  # do not spin on a refusal
                 rec.end = now()
                 recs.append(rec)

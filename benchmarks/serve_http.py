@@ -33,21 +33,14 @@ def _ready() -> bool:
 
 
 def _grpc_thread(address: str, params, schedule: Schedule, recs: list[Rec], first: int, step: int):
-    from wedlm_client.client import ClusterError, WedlmClient
+    from benchmarks.grpc_request import stream_request
+    from wedlm_client.client import WedlmClient
 
     with WedlmClient(address) as client:
         for k in itertools.count(first, step):
             if (rec := schedule.next()) is None:
                 return
-            try:
-                for event in client.generate_stream(text=PROMPTS[k % len(PROMPTS)], params=params):
-                    if event[0] == "tokens":
-                        rec.events.append((now(), len(event[1])))
-                    else:
-                        rec.final = event[1]
-                        rec.error = "FINAL_ERROR" if event[1].get("error") else None
-            except ClusterError as e:
-                rec.error = e.code.name
+            if not stream_request(client, PROMPTS[k % len(PROMPTS)], params, rec):
                 time.sleep(0.05)
             rec.end = now()
             recs.append(rec)

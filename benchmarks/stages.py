@@ -53,12 +53,13 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import grpc_floor, relay_hops
 from benchmarks.bench_cluster import Cluster
+from benchmarks.grpc_request import stream_request
 from benchmarks.serve import grpc_level, hop_timings, prepare_model, ratio, sweep
 from benchmarks.serve_mlxlm import PROMPTS, Rec, now, sweep_in_subprocess
 from benchmarks.stages_report import TARGETS, plot, summary
 from common.generation_params import GenerationParams
 from common.model_config import load_model_config
-from wedlm_client.client import ClusterError, WedlmClient
+from wedlm_client.client import WedlmClient
 
 PHASES = ("fresh", "alone", "single", "hops", "gpus2")
 STARTUP_S = 90  # what a phase's processes take to start, for the time budget (a guess)
@@ -119,15 +120,7 @@ def burst(address: str, n: int, modes: list[str], max_tokens: int, timeout: floa
         with WedlmClient(address, timeout=timeout) as client:
             barrier.wait()
             rec = Rec(now())
-            try:
-                for event in client.generate_stream(text=PROMPTS[i % len(PROMPTS)], params=params):
-                    if event[0] == "tokens":
-                        rec.events.append((now(), len(event[1])))
-                    else:
-                        rec.final = event[1]
-                        rec.error = "FINAL_ERROR" if event[1].get("error") else None
-            except ClusterError as e:
-                rec.error = e.code.name
+            stream_request(client, PROMPTS[i % len(PROMPTS)], params, rec)
             rec.end = now()
             recs[i] = rec
 

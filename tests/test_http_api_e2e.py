@@ -19,13 +19,15 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from common.call_auth import call_metadata
 from common.generation_params import GenerationParams
-from common.proto_gen import wedlm_pb2 as pb
-from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tokenizer import Tokenizer
 from coordinator.engine.local_engine import open_local_engine
-from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from tests.cluster_harness import (
+    cluster_name,
+    start_coordinator,
+    start_worker,
+    worker_kv_sequences,
+)
 from wedlm_client.client import ClusterError, WedlmClient
 
 KEY = "test-api-key"
@@ -75,16 +77,6 @@ def streamed(client, cluster, **kw):
     chunks = list(chat(client, cluster, stream=True, **kw))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     return text, chunks
-
-
-def worker_kv_sequences(address: str, identity: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        info = pb_grpc.WorkerStub(channel).Info(
-            pb.InfoRequest(),
-            metadata=call_metadata(None, "/wedlm.v1.Worker/Info", identity),
-            timeout=10,
-        )
-    return info.kv_sequences
 
 
 def test_models_health_and_api_key(cluster, client):

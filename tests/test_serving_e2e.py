@@ -11,12 +11,15 @@ import urllib.request
 import grpc
 import pytest
 
-from common.call_auth import call_metadata
 from common.generation_params import GenerationParams
 from common.proto_gen import wedlm_pb2 as pb
-from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from coordinator.engine.local_engine import open_local_engine
-from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from tests.cluster_harness import (
+    cluster_name,
+    start_coordinator,
+    start_worker,
+    worker_kv_sequences,
+)
 from wedlm_client.client import ClusterError, WedlmClient
 
 PROMPTS = [f"request number {i} about {w}" for i, w in enumerate("abcdefgh")]
@@ -64,16 +67,6 @@ def cluster(model):
     finally:
         for p in procs:
             p.stop()
-
-
-def worker_kv_sequences(address: str, identity: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        info = pb_grpc.WorkerStub(channel).Info(
-            pb.InfoRequest(),
-            metadata=call_metadata(None, "/wedlm.v1.Worker/Info", identity),
-            timeout=10,
-        )
-    return info.kv_sequences
 
 
 def test_concurrent_streams_equal_single_process(cluster, model):

@@ -133,10 +133,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
         try:
             job = await run_in_threadpool(admit, body, chat, events)
         except Refused as e:
-            limit = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else (
-                "max_tokens"
-            )
-            raise from_refusal(e, limit) from None
+            raise from_refusal(e, body.limit_field()) from None
         return job, events
 
     async def answer(request: Request, body: GenerationFields, chat: bool):
@@ -154,7 +151,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
             while (event := await events.next(request)) is not None:
                 if event[0] == "final":
                     return _whole(reply, event[1], stops)
-            return JSONResponse(error_body(400, "client disconnected"), 499)
+            return JSONResponse(error_body(499, "the client disconnected"), 499)
         finally:
             if not job.finished:  # the client went away (or the server stops): free its KV
                 backend.admission.cancel(job)

@@ -116,9 +116,7 @@ def generation_params(
         raise ApiError(400, message, field) from None
     room = context - prompt_tokens - (2 * params.window if params.mode == "wedlm" else 1)
     max_tokens = body.limit()
-    limit_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else (
-        "max_tokens"
-    )
+    limit_field = body.limit_field()
     if max_tokens is not None and max_tokens > room:
         raise ApiError(
             400,

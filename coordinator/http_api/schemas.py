@@ -61,6 +61,10 @@ class GenerationFields(_Body):
     def limit(self) -> int | None:
         return self.max_tokens
 
+    def limit_field(self) -> str:
+        """The field that set the completion's limit, for error messages."""
+        return "max_tokens"
+
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field that asks for what this server cannot do."""
         if self.n not in (None, 1):
@@ -88,6 +92,9 @@ class ChatCompletionRequest(GenerationFields):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def limit_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:

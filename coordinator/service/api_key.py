@@ -5,18 +5,12 @@ and reflection stay open, for load balancers and generic tools."""
 from __future__ import annotations
 
 import hmac
-import os
 
 import grpc
 
 from common.call_auth import abort_handler
 
-API_KEY_ENV = "WEDLM_API_KEY"
 OPEN_GRPC_PREFIXES = ("/grpc.health", "/grpc.reflection")
-
-
-def api_key_from_env() -> str | None:
-    return os.environ.get(API_KEY_ENV) or None
 
 
 def bearer_matches(authorization: str | None, key: str | None) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 from common.errors import WedlmError
 from common.layer_range import LayerRange
 from common.server_install import require_server_install
+from wedlm_client.client import API_KEY_ENV
 
 
 def _port(text: str) -> int:
@@ -98,7 +99,7 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("WEDLM_API_KEY"),
+        default=os.environ.get(API_KEY_ENV),
         help="clients must send 'Authorization: Bearer KEY' (HTTP and gRPC; "
         "default: $WEDLM_API_KEY)",
     )
