@@ -99,35 +99,54 @@ def abort_handler(
 
 class ClusterAuthInterceptor(grpc.ServerInterceptor):
     """Refuses calls with bad credentials, another protocol version or another model.
-    The health service stays open so that load balancers and probes can use it."""
+    The health service stays open so that load balancers and probes can use it.
 
-    def __init__(self, secret: str | None, model_identity: str, open_prefixes=("/grpc.health",)):
+    `guarded`: only methods under these prefixes are checked (the coordinator guards its
+    ModelSource this way; its client service has its own API key). `any_model`: methods
+    that take any model identity (a worker that fetches its model answers Info and Assign
+    from a coordinator of any model: Assign is how it changes model). `model_identity` may
+    change while serving."""
+
+    def __init__(
+        self,
+        secret: str | None,
+        model_identity: str,
+        open_prefixes=("/grpc.health",),
+        guarded: tuple[str, ...] | None = None,
+        role: str = "worker",
+    ):
+        self.role = role
         self.checker = TokenChecker(secret)
         self.model_identity = model_identity
         self.open_prefixes = open_prefixes
+        self.guarded = guarded
+        self.any_model: frozenset[str] = frozenset()
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None or details.method.startswith(self.open_prefixes):
+        method = details.method
+        if handler is None or method.startswith(self.open_prefixes):
+            return handler
+        if self.guarded is not None and not method.startswith(self.guarded):
             return handler
         md = dict(details.invocation_metadata or ())
-        problem = self.checker.check(md.get(AUTH_KEY), details.method)
+        problem = self.checker.check(md.get(AUTH_KEY), method)
         if problem:
-            return abort_handler(handler, details.method, grpc.StatusCode.UNAUTHENTICATED, problem)
+            return abort_handler(handler, method, grpc.StatusCode.UNAUTHENTICATED, problem)
         if md.get(PROTOCOL_KEY) != str(PROTOCOL_VERSION):
             return abort_handler(
                 handler,
-                details.method,
+                method,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"protocol version {md.get(PROTOCOL_KEY)!r} is not this worker's "
+                f"protocol version {md.get(PROTOCOL_KEY)!r} is not this {self.role}'s "
                 f"{PROTOCOL_VERSION} (install the same wedlm-cluster version on every machine)",
             )
-        model = md.get(MODEL_KEY)
-        if model != self.model_identity:
+        model, ours = md.get(MODEL_KEY), self.model_identity
+        if model != ours and method not in self.any_model:
             return abort_handler(
                 handler,
-                details.method,
+                method,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"model identity {model!r} differs from this worker's {self.model_identity!r}",
+                f"model identity {model!r} differs from this {self.role}'s {ours!r}",
             )
         return handler

@@ -53,3 +53,9 @@ def layer_nbytes(path: Path, layer: int = 0) -> int:
     """Bytes of one transformer layer's weights as stored (shapes only; nothing is read)."""
     prefix = f"model.layers.{layer}."
     return sum(v.nbytes for v in load_tensors(path, lambda k: k.startswith(prefix)).values())
+
+
+def layer_file_name(layer: int) -> str:
+    """The file one layer's tensors take in a cache folder of fetched layers (a checkpoint
+    folder that `weight_files` reads like any other)."""
+    return f"model-layer-{layer:05d}.safetensors"

@@ -1,8 +1,12 @@
 """`wedlm-worker`: serve a contiguous range of a model's layers to a coordinator.
 
-    wedlm-worker --model PATH|default [--layers A-B] [--host H] [--port N] [--cluster NAME]
+    wedlm-worker [--model PATH|default] [--layers A-B] [--host H] [--port N] [--cluster NAME]
                  [--secret S | env WEDLM_SECRET] [--node-id ID] [--no-bonjour]
-                 [--advertise-host IP]
+                 [--advertise-host IP] [--cache-dir DIR] [--cache-max-gb G]
+    wedlm-worker --clear-cache [--cache-dir DIR]
+
+Without --model the worker takes the coordinator's model: it fetches the layers it is
+assigned from the coordinator into its cache folder and loads them from there.
 
 Once serving it prints one line to stdout (scripts and tests read the port from it):
     wedlm-worker <node_id> listening on HOST:PORT layers A-B (model <identity>)
@@ -63,7 +67,11 @@ def _non_empty(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Serve a range of a model's layers.")
-    p.add_argument("--model", required=True, help="checkpoint folder, or 'default'")
+    p.add_argument(
+        "--model",
+        help="checkpoint folder, or 'default'; without it the worker fetches the layers it "
+        "is assigned from the coordinator",
+    )
     p.add_argument(
         "--layers",
         type=_layer_range,
@@ -79,8 +87,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", help="PEM certificate: serve over TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-ca", help="PEM CA: accept only coordinators with a certificate it signed")
+    p.add_argument(
+        "--cache-dir",
+        help="where fetched layers are kept (default: the wedlm-cluster cache folder's 'layers')",
+    )
+    p.add_argument(
+        "--cache-max-gb",
+        type=_positive_gb,
+        help="cap on the layer cache; without it only the model in use is kept",
+    )
+    p.add_argument(
+        "--fetch-limit-mbps",
+        type=_positive_mbps,
+        help="fetch layers at most this fast (megabits per second), to leave the network room",
+    )
+    p.add_argument(
+        "--clear-cache", action="store_true", help="delete every fetched layer, then exit"
+    )
     p.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING"])
     return p
+
+
+def _positive(text: str, unit: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a positive {unit}")
+    return value
+
+
+def _positive_gb(text: str) -> float:
+    return _positive(text, "number of GB")
+
+
+def _positive_mbps(text: str) -> float:
+    return _positive(text, "number of megabits per second")
+
+
+def _layer_cache(args):
+    from common.default_model import default_cache_dir
+    from shard_worker.layer_cache import LayerCache
+
+    root = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir() / "layers"
+    cap = int(args.cache_max_gb * 1e9) if args.cache_max_gb else None
+    return LayerCache(root, cap)
 
 
 def _fail(message: str) -> int:
@@ -96,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format=f"{PROG}: %(levelname)s %(message)s"
     )
+    if args.clear_cache:
+        cache = _layer_cache(args)
+        freed = cache.clear()
+        print(f"{PROG}: removed {freed / 1e6:.1f} MB of fetched layers from {cache.root}")
+        return 0
     secret = args.secret or os.environ.get("WEDLM_SECRET") or None
     # Imported here so that --help and flag errors answer without loading MLX.
     from common.default_model import default_model_path
@@ -106,9 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     from shard_worker.server import WorkerOptions, WorkerServer
 
     try:
-        path = default_model_path() if args.model == "default" else Path(args.model)
-        config = load_model_config(path)
-        if args.layers is not None and args.layers.end >= config.num_layers:
+        config, cache = None, None
+        if args.model is not None and (
+            args.cache_dir or args.cache_max_gb or args.fetch_limit_mbps
+        ):
+            return _fail(
+                "--cache-dir, --cache-max-gb and --fetch-limit-mbps are for workers without --model"
+            )
+        if args.model is None:
+            cache = _layer_cache(args)
+        else:
+            path = default_model_path() if args.model == "default" else Path(args.model)
+            config = load_model_config(path)
+        if config is not None and args.layers is not None and args.layers.end >= config.num_layers:
             return _fail(
                 f"--layers {args.layers} is past the model's {config.num_layers} layers "
                 f"(0-{config.num_layers - 1})"
@@ -124,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             bonjour=not args.no_bonjour,
             advertise_host=args.advertise_host,
             tls=load_tls(args.tls_cert, args.tls_key, args.tls_ca),
+            cache=cache,
+            fetch_limit=args.fetch_limit_mbps * 1e6 / 8 if args.fetch_limit_mbps else None,
         )
         worker = WorkerServer(options)
     except (WedlmError, OSError, RuntimeError) as e:
@@ -138,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = str(args.layers) if args.layers else "unassigned"
     print(
         f"{PROG} {worker.node_id} listening on {args.host}:{worker.port} layers {layers} "
-        f"(model {config.identity})",
+        f"(model {config.identity if config else 'from the coordinator'})",
         flush=True,
     )
     while not stop.wait(0.5):

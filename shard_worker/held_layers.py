@@ -45,13 +45,23 @@ class LayerState:
 
 
 class HeldLayers:
-    def __init__(self, config: ModelConfig, fixed: LayerRange | None) -> None:
-        self.config = config
+    def __init__(self, config: ModelConfig | None, fixed: LayerRange | None) -> None:
+        """`config` None: a worker that fetches its model and has none yet."""
         self.fixed = fixed
         self.runner: LayerRunner | None = None
-        self._run_dtype = compute_dtype(config)
-        self._estimate = estimated_layer_bytes(config, compute_dtype(config))
+        self.use_model(config)
+
+    def use_model(self, config: ModelConfig | None) -> LayerState:
+        """Hold nothing, of model `config` from now on (a fetching worker's model change)."""
+        self.runner = None
+        self.config = config
+        if config is not None:
+            self._run_dtype = compute_dtype(config)
+            self._estimate = estimated_layer_bytes(config, self._run_dtype)
+        gc.collect()
+        mx.clear_cache()
         self.state = self._describe()
+        return self.state
 
     def load(self, layer_range: LayerRange) -> LayerState:
         """Hold exactly `layer_range` with no KV. The same range keeps its weights; another
@@ -122,6 +132,8 @@ class HeldLayers:
         self.state = replace(self.state, kv_sequences=sequences, kv_bytes=nbytes)
 
     def _describe(self) -> LayerState:
+        if self.config is None:
+            return LayerState(layer_range=None, dtype="", layer_bytes=0, kv_bytes_per_token=0)
         if self.runner is None:
             dtype = compute_dtype(self.config)
             return LayerState(

@@ -22,6 +22,8 @@ from common.tls import TlsConfig, bind
 from common.wire_frames import framed_parser
 from shard_worker.bonjour import BonjourAdvert
 from shard_worker.held_layers import HeldLayers
+from shard_worker.layer_cache import LayerCache
+from shard_worker.layer_fetch import LayerFetcher
 from shard_worker.mlx_thread import MLXThread
 from shard_worker.servicer import WorkerIdentity, WorkerServicer
 from shard_worker.stage_route import StageRoute
@@ -56,7 +58,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 @dataclass(frozen=True)
 class WorkerOptions:
-    config: ModelConfig
+    config: ModelConfig | None  # None: take the coordinator's model, fetching the layers
     layers: LayerRange | None  # fixed with --layers, else assigned by the coordinator
     host: str = "127.0.0.1"
     port: int = 0
@@ -66,6 +68,8 @@ class WorkerOptions:
     bonjour: bool = True
     advertise_host: str | None = None
     tls: TlsConfig = field(default_factory=TlsConfig)
+    cache: LayerCache | None = None  # where fetched layers go (a worker without a model)
+    fetch_limit: float | None = None  # bytes per second a fetch may take (None: no limit)
 
 
 class WorkerServer:
@@ -78,9 +82,15 @@ class WorkerServer:
         self.layers: HeldLayers = self.mlx.call(HeldLayers, config, options.layers)
         if options.layers is not None:
             self.mlx.call(self.layers.load, options.layers)
+        fetching = config is None
+        if fetching and options.cache is None:
+            raise WedlmError("a worker without a model needs a layer cache")
+        self.auth = ClusterAuthInterceptor(options.secret, config.identity if config else "")
+        if fetching:  # a coordinator of any model may probe it and assign it layers
+            self.auth.any_model = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("Info", "Assign"))
         self.server = grpc.server(
             ThreadPoolExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="grpc"),
-            interceptors=[ClusterAuthInterceptor(options.secret, config.identity)],
+            interceptors=[self.auth],
             options=GRPC_OPTIONS,
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
@@ -97,17 +107,25 @@ class WorkerServer:
         identity = WorkerIdentity(
             node_id=self.node_id,
             cluster=options.cluster,
-            model_name=config.path.name,
+            model_name=config.path.name if config else "",
             device=self.mlx.call(host_info.device_description),
         )
-        self.route = StageRoute(options.secret, config.identity, options.tls)
+        self.route = StageRoute(options.secret, self.auth.model_identity, options.tls)
+        fetcher = (
+            LayerFetcher(
+                options.cache, options.secret, options.tls, self.node_id, options.fetch_limit
+            )
+            if fetching
+            else None
+        )
         self.servicer = WorkerServicer(
             identity,
-            config,
             self.layers,
             self.mlx,
             self.route,
             on_layers_changed=self._layers_changed,
+            fetcher=fetcher,
+            on_model_changed=self._model_changed,
         )
         framed = framed_parser(pb.ForwardRequest, "hidden")  # hidden states stay unparsed
         add_service(self.server, self.servicer, "Worker", {"Forward": framed, "Relay": framed})
@@ -145,8 +163,8 @@ class WorkerServer:
             memory_total=total,
             memory_available=available,
             layers=str(fixed) if fixed else "",
-            model=self.options.config.identity,
-            model_name=self.servicer.identity.model_name,
+            model=self.auth.model_identity,
+            model_name=self.servicer.model_name,
         )
 
     def _set_health(self) -> None:
@@ -158,6 +176,12 @@ class WorkerServer:
         )
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
+
+    def _model_changed(self, config: ModelConfig) -> None:
+        """A fetching worker took another model: calls, relays and the advert follow it."""
+        self.auth.model_identity = config.identity
+        self.route.use_model(config.identity)
+        self._layers_changed()
 
     def _layers_changed(self) -> None:
         self._set_health()

@@ -8,6 +8,7 @@ import functools
 import logging
 import re
 import threading
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from typing import NoReturn
 import grpc
 
 from common import host_info
-from common.call_auth import PROTOCOL_VERSION
+from common.call_auth import MODEL_KEY, PROTOCOL_VERSION
 from common.errors import CheckpointError
 from common.grpc_services import MalformedRequest
 from common.layer_range import LayerRange
@@ -28,6 +29,8 @@ from common.tensor_codec import TensorFormatError
 from common.wire_frames import Framed
 from shard_worker.forward_request import hidden_of, reply_slots, rows_spec
 from shard_worker.held_layers import HeldLayers
+from shard_worker.layer_cache import CacheFull
+from shard_worker.layer_fetch import FetchError, LayerFetcher
 from shard_worker.mlx_thread import MLXThread, QueueFull, ThreadStopped
 from shard_worker.stage_route import Failure, Plan, ReplyChannel, StageRoute
 
@@ -55,30 +58,50 @@ def _status(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"worker overloaded: {error}"
     if isinstance(error, ThreadStopped | CancelledError):
         return grpc.StatusCode.UNAVAILABLE, str(error) or "the call was cancelled"
+    if isinstance(error, FetchError):
+        return error.code, str(error)
+    if isinstance(error, CacheFull):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, CheckpointError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(error)
+    if isinstance(error, OSError):  # the layer cache's disk
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot write the layer cache: {error}"
     if isinstance(error, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory: {error}"
     log.error("unexpected error in a worker call", exc_info=error)
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"
 
 
+def _peer_host(peer: str) -> str:
+    """The host of a gRPC peer string ("ipv4:10.0.0.5:51234", "ipv6:[::1]:51234")."""
+    address = peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer
+    return urllib.parse.unquote(address).rsplit(":", 1)[0]
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
         self,
         identity: WorkerIdentity,
-        config: ModelConfig,
         layers: HeldLayers,
         mlx: MLXThread,
         route: StageRoute,
         on_layers_changed: Callable[[], None] = lambda: None,
+        fetcher: LayerFetcher | None = None,
+        on_model_changed: Callable[[ModelConfig], None] = lambda _: None,
     ) -> None:
         self.route = route
         self.identity = identity
-        self.config = config
+        self.model_name = identity.model_name
         self.layers = layers
         self.mlx = mlx
         self.on_layers_changed = on_layers_changed  # health status, Bonjour TXT
+        self.fetcher = fetcher  # None: the worker has its own model folder
+        self.on_model_changed = on_model_changed  # call checks, relays, Bonjour TXT
+        self._fetching = threading.Lock()  # one fetch at a time: they share .part files
+
+    @property
+    def config(self) -> ModelConfig | None:
+        return self.layers.config
 
     # ---- micro-batches ---------------------------------------------------------------
     def Forward(self, request_iterator, context):
@@ -212,20 +235,36 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.ReleaseReply(released=released, kv_sequences=self.layers.state.kv_sequences)
 
     def Assign(self, request: pb.AssignRequest, context) -> pb.WorkerInfo:
-        start, end, num = request.layer_start, request.layer_end, self.config.num_layers
+        start, end = request.layer_start, request.layer_end
         if start < 0 or end < start:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid layer range {start}-{end}")
-        if end >= num:
-            context.abort(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"layer range {start}-{end} is past the model's {num} layers (0-{num - 1})",
-            )
         wanted = LayerRange(start, end)
         fixed = self.layers.fixed
         if fixed is not None and wanted != fixed:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this worker was started with --layers {fixed} and cannot take {wanted}",
+            )
+        if self.fetcher is not None:
+            config = self._fetch(request, wanted, context)
+            if request.fetch_only:
+                return self.info()
+            if self.config is None or config.identity != self.config.identity:
+                try:
+                    self.mlx.submit(self.layers.use_model, config).result()
+                except Exception as e:
+                    self._abort(context, e)
+                self.on_model_changed(config)
+        elif request.fetch_only:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this worker serves its own model folder and fetches no layers",
+            )
+        num = self.config.num_layers
+        if end >= num:
+            context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"layer range {start}-{end} is past the model's {num} layers (0-{num - 1})",
             )
         try:
             self.mlx.submit(self.layers.load, wanted).result()
@@ -235,20 +274,46 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.on_layers_changed()
         return self.info()
 
+    def _fetch(self, request: pb.AssignRequest, wanted: LayerRange, context) -> ModelConfig:
+        """The coordinator's model with `wanted` complete in the cache (fetched if missing)."""
+        identity = dict(context.invocation_metadata() or ()).get(MODEL_KEY, "")
+        source = request.model_source
+        if not source:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this worker fetches its layers, but the coordinator named no model source",
+            )
+        if source.startswith(":"):  # the coordinator's port at the address it called from
+            source = _peer_host(context.peer()) + source
+        if not _ADDRESS.fullmatch(source):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"model_source {source!r} is not HOST:PORT"
+            )
+        with self._fetching:
+            try:
+                config = self.fetcher.fetch(source, identity, wanted)
+            except Exception as e:
+                log.warning("fetching layers %s from %s failed: %s", wanted, source, e)
+                self._abort(context, e)
+        self.model_name = self.fetcher.cache.model_name(identity)
+        return config
+
     def Info(self, request: pb.InfoRequest, context) -> pb.WorkerInfo:
         return self.info()
 
     def info(self) -> pb.WorkerInfo:
         state = self.layers.state
         held = state.layer_range
+        config = self.config
         total, available = host_info.memory()
+        cache = self.fetcher.cache if self.fetcher is not None else None
         return pb.WorkerInfo(
             node_id=self.identity.node_id,
             cluster=self.identity.cluster,
             protocol_version=PROTOCOL_VERSION,
-            model_identity=self.config.identity,
-            model_name=self.identity.model_name,
-            num_layers=self.config.num_layers,
+            model_identity=config.identity if config else "",
+            model_name=self.model_name,
+            num_layers=config.num_layers if config else 0,
             has_layers=held is not None,
             layer_start=held.start if held else 0,
             layer_end=held.end if held else -1,  # an empty range while unassigned
@@ -263,6 +328,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             hidden_dtype=state.dtype,
             plan_epoch=self.route.plan.epoch,
             next_stage=self.route.plan.next_stage,
+            fetches_layers=cache is not None,
+            cache_bytes=cache.total_bytes() if cache is not None else 0,
         )
 
     @staticmethod

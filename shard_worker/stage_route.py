@@ -122,6 +122,10 @@ class StageRoute:
         self._relay: RelayLink | None = None
         self._channels: list[ReplyChannel] = []  # open coordinator streams, newest last
 
+    def use_model(self, model_identity: str) -> None:
+        """Relays opened from now on carry this identity (a fetching worker changed model)."""
+        self._identity = model_identity
+
     def follow(self, plan: Plan) -> None:
         """Take a new plan: the old relay closes and the new successor is dialled now, so
         the first micro-batch finds the stream open."""

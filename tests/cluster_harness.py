@@ -94,6 +94,21 @@ def start_worker(
     return proc, m.group(1)
 
 
+def start_fetching_worker(
+    cluster: str, cache_dir: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[Proc, str]:
+    """A worker without a model: it fetches its layers from the coordinator into
+    `cache_dir`."""
+    proc = spawn(
+        "shard_worker.cli",
+        "--cache-dir", str(cache_dir), "--host", "127.0.0.1", "--port", "0",
+        "--cluster", cluster, "--no-bonjour", *extra,
+        env=env,
+    )  # fmt: skip
+    m = proc.expect(r"listening on (127\.0\.0\.1:\d+)")
+    return proc, m.group(1)
+
+
 def gpu_env(index: int, gpus: int, workers: int) -> dict[str, str] | None:
     """Worker `index` on its own GPU: GPUs 1.. when there are more GPUs than workers (GPU 0
     stays with the coordinator), else round robin over all of them; 0 = leave it."""
@@ -103,7 +118,9 @@ def gpu_env(index: int, gpus: int, workers: int) -> dict[str, str] | None:
     return {"CUDA_VISIBLE_DEVICES": str(gpu)}
 
 
-def start_coordinator(model: Path, cluster: str, *extra: str) -> tuple[Proc, str]:
+def start_coordinator(
+    model: Path | str, cluster: str, *extra: str, env: dict[str, str] | None = None
+) -> tuple[Proc, str]:
     if "--state-dir" not in extra:  # tests keep no jobs unless they say where
         extra = (*extra, "--state-dir", "none")
     proc = spawn(
@@ -116,6 +133,7 @@ def start_coordinator(model: Path, cluster: str, *extra: str) -> tuple[Proc, str
         "--cluster",
         cluster,
         *extra,
+        env=env,
     )
     m = proc.expect(r"listening on (127\.0\.0\.1:\d+)")
     return proc, m.group(1)

@@ -36,4 +36,19 @@ def format_status(status: dict[str, Any]) -> str:
         )
         if w.get("detail"):
             lines.append(f"    {w['detail']}")
+    for f in status.get("fetches", []):
+        lines.append(format_fetch(f))
     return "\n".join(lines)
+
+
+def format_fetch(fetch: dict[str, Any]) -> str:
+    """One worker's layer fetch: `fetching layers: w1 (ipv4:…) 1.2/3.4 GB 35% 80 MB/s ETA 28 s`."""
+    done, total = int(fetch.get("bytes_done", 0)), int(fetch.get("bytes_total", 0))
+    share = f"{100 * done / total:.0f}%" if total else "-"
+    eta = float(fetch.get("eta_s", -1))
+    rate = float(fetch.get("bytes_per_s", 0))
+    who = fetch.get("node_id") or fetch.get("peer", "")
+    return (
+        f"fetching layers: {who} {done / 1e9:.2f}/{total / 1e9:.2f} GB {share} "
+        f"{rate / 1e6:.0f} MB/s ETA {f'{eta:.0f} s' if eta >= 0 else '-'}"
+    )

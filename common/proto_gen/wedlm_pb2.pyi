@@ -114,19 +114,23 @@ class ReleaseReply(_message.Message):
     def __init__(self, released: _Optional[int] = ..., kv_sequences: _Optional[int] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("layer_start", "layer_end")
+    __slots__ = ("layer_start", "layer_end", "model_source", "fetch_only")
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ONLY_FIELD_NUMBER: _ClassVar[int]
     layer_start: int
     layer_end: int
-    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+    model_source: str
+    fetch_only: bool
+    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model_source: _Optional[str] = ..., fetch_only: _Optional[bool] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype", "plan_epoch", "next_stage")
+    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype", "plan_epoch", "next_stage", "fetches_layers", "cache_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +151,8 @@ class WorkerInfo(_message.Message):
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEXT_STAGE_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     protocol_version: int
@@ -167,7 +173,65 @@ class WorkerInfo(_message.Message):
     hidden_dtype: str
     plan_epoch: int
     next_stage: str
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ...) -> None: ...
+    fetches_layers: bool
+    cache_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ..., fetches_layers: _Optional[bool] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
+
+class LayerManifestRequest(_message.Message):
+    __slots__ = ("layers", "with_sha256", "node_id", "fetch_bytes")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WITH_SHA256_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    with_sha256: _containers.RepeatedScalarFieldContainer[int]
+    node_id: str
+    fetch_bytes: int
+    def __init__(self, layers: _Optional[_Iterable[int]] = ..., with_sha256: _Optional[_Iterable[int]] = ..., node_id: _Optional[str] = ..., fetch_bytes: _Optional[int] = ...) -> None: ...
+
+class LayerFile(_message.Message):
+    __slots__ = ("layer", "name", "size", "sha256")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    name: str
+    size: int
+    sha256: str
+    def __init__(self, layer: _Optional[int] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class LayerManifestReply(_message.Message):
+    __slots__ = ("model_identity", "model_name", "config_json", "files")
+    MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    model_identity: str
+    model_name: str
+    config_json: bytes
+    files: _containers.RepeatedCompositeFieldContainer[LayerFile]
+    def __init__(self, model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., config_json: _Optional[bytes] = ..., files: _Optional[_Iterable[_Union[LayerFile, _Mapping]]] = ...) -> None: ...
+
+class FetchLayerRequest(_message.Message):
+    __slots__ = ("layer", "offset", "node_id")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    offset: int
+    node_id: str
+    def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class LayerChunk(_message.Message):
+    __slots__ = ("offset", "data", "sha256")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    sha256: str
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -316,7 +380,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., address: _Optional[str] = ..., source: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ...) -> None: ...
 
 class ClusterStatusReply(_message.Message):
-    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch")
+    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +390,7 @@ class ClusterStatusReply(_message.Message):
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     LOCAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     state: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -335,7 +400,24 @@ class ClusterStatusReply(_message.Message):
     waiting_for: str
     local_layers: str
     plan_epoch: int
-    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
+    fetches: _containers.RepeatedCompositeFieldContainer[LayerFetch]
+    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ...) -> None: ...
+
+class LayerFetch(_message.Message):
+    __slots__ = ("node_id", "peer", "bytes_done", "bytes_total", "bytes_per_s", "eta_s")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ETA_S_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    peer: str
+    bytes_done: int
+    bytes_total: int
+    bytes_per_s: float
+    eta_s: float
+    def __init__(self, node_id: _Optional[str] = ..., peer: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., bytes_per_s: _Optional[float] = ..., eta_s: _Optional[float] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -329,6 +329,136 @@ class Worker:
             _registered_method=True)
 
 
+class ModelSourceStub:
+    """------------------------------------------------------------- model source service
+
+    On the coordinator, for workers that fetch their layers. Calls carry the same cluster
+    credentials, protocol version and model identity as the coordinator's calls to workers.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LayerManifest = channel.unary_unary(
+                '/wedlm.v1.ModelSource/LayerManifest',
+                request_serializer=wedlm__pb2.LayerManifestRequest.SerializeToString,
+                response_deserializer=wedlm__pb2.LayerManifestReply.FromString,
+                _registered_method=True)
+        self.FetchLayer = channel.unary_stream(
+                '/wedlm.v1.ModelSource/FetchLayer',
+                request_serializer=wedlm__pb2.FetchLayerRequest.SerializeToString,
+                response_deserializer=wedlm__pb2.LayerChunk.FromString,
+                _registered_method=True)
+
+
+class ModelSourceServicer:
+    """------------------------------------------------------------- model source service
+
+    On the coordinator, for workers that fetch their layers. Calls carry the same cluster
+    credentials, protocol version and model identity as the coordinator's calls to workers.
+    """
+
+    def LayerManifest(self, request, context):
+        """The model's config.json and the files of the layers asked for.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchLayer(self, request, context):
+        """One layer as a safetensors file (the checkpoint's tensors of that layer, as stored),
+        from `offset` on; the last message carries the SHA-256 of the whole file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ModelSourceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LayerManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.LayerManifest,
+                    request_deserializer=wedlm__pb2.LayerManifestRequest.FromString,
+                    response_serializer=wedlm__pb2.LayerManifestReply.SerializeToString,
+            ),
+            'FetchLayer': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchLayer,
+                    request_deserializer=wedlm__pb2.FetchLayerRequest.FromString,
+                    response_serializer=wedlm__pb2.LayerChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'wedlm.v1.ModelSource', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('wedlm.v1.ModelSource', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ModelSource:
+    """------------------------------------------------------------- model source service
+
+    On the coordinator, for workers that fetch their layers. Calls carry the same cluster
+    credentials, protocol version and model identity as the coordinator's calls to workers.
+    """
+
+    @staticmethod
+    def LayerManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wedlm.v1.ModelSource/LayerManifest',
+            wedlm__pb2.LayerManifestRequest.SerializeToString,
+            wedlm__pb2.LayerManifestReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchLayer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/wedlm.v1.ModelSource/FetchLayer',
+            wedlm__pb2.FetchLayerRequest.SerializeToString,
+            wedlm__pb2.LayerChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class CoordinatorStub:
     """----------------------------------------------------------- coordinator service
 

@@ -60,6 +60,10 @@ def probe(
     entry.info = info
     if info.cluster != cluster:
         entry.detail = f"belongs to cluster {info.cluster!r}, not {cluster!r}"
+    elif info.fetches_layers:  # it takes this model, fetching what it lacks
+        entry.health = "serving"
+        if info.fixed_range:
+            entry.layers = LayerRange(info.layer_start, info.layer_end)
     elif info.model_identity != config.identity:
         entry.detail = f"serves model {info.model_identity}, not {config.identity}"
     elif info.num_layers != config.num_layers:
@@ -160,6 +164,7 @@ def assemble(
     tls: TlsConfig | None = None,
     local: LocalMember | None = None,
     epoch: int = 0,
+    model_source: str = "",
 ) -> Assembly:
     """Probe, plan, assign and route. Every candidate gets an entry; the serving ones with
     layers, in layer order, form the chain behind the coordinator's own range. Raises
@@ -175,11 +180,12 @@ def assemble(
             continue
         e.layers = plan[e.address]
         current = LayerRange(e.info.layer_start, e.info.layer_end) if e.info.has_layers else None
-        if current != e.layers:
+        if current != e.layers or e.info.model_identity != config.identity:
             todo.append(e)
-    if todo:  # workers load their ranges at the same time
+    if todo:  # workers load (and fetch) their ranges at the same time
         with ThreadPoolExecutor(len(todo)) as pool:
-            for e, info in zip(todo, pool.map(_assign, todo), strict=True):
+            assigned = pool.map(lambda e: _assign(e, model_source), todo)
+            for e, info in zip(todo, assigned, strict=True):
                 e.info = info
     entries.sort(key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
     _route(entries, epoch)
@@ -201,9 +207,23 @@ def _fixed(entry: WorkerEntry) -> LayerRange | None:
     return LayerRange(info.layer_start, info.layer_end) if info.fixed_range else None
 
 
-def _assign(entry: WorkerEntry) -> pb.WorkerInfo:
+def _assign(entry: WorkerEntry, model_source: str) -> pb.WorkerInfo:
     log.info("assigning layers %s to %s", entry.layers, entry.address)
-    return entry.link.assign(entry.layers.start, entry.layers.end)
+    return entry.link.assign(entry.layers.start, entry.layers.end, model_source)
+
+
+def prefetch(arrived: list[WorkerEntry], plan: dict[str, LayerRange], model_source: str) -> None:
+    """Have joining workers that fetch their layers do it now, while the current pipeline
+    keeps serving, so that the re-plan that takes them in finds the layers on their disks.
+    A failure is only logged: the re-plan's own Assign tries again and reports it."""
+    fetching = [e for e in arrived if e.info.fetches_layers and e.address in plan]
+    for e in fetching:
+        r = plan[e.address]
+        log.info("%s fetches layers %s before the re-plan", e.address, r)
+        try:
+            e.link.assign(r.start, r.end, model_source, fetch_only=True)
+        except WorkerCallError as err:
+            log.warning("prefetch on %s failed: %s", e.address, err)
 
 
 def _room(entry: WorkerEntry, per_layer: int) -> int:

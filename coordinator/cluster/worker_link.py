@@ -23,6 +23,7 @@ from common.wire_frames import TensorFrame, framed_parser, serialize, with_tenso
 
 log = logging.getLogger(__name__)
 _CLOSE = object()
+ASSIGN_DEADLINE_S = 6 * 3600.0  # loading, or fetching tens of GB over Wi-Fi
 
 
 class WorkerCallError(RuntimeError):
@@ -92,8 +93,21 @@ class WorkerLink:
     def info(self, timeout: float | None = None) -> pb.WorkerInfo:
         return self._unary("Info", pb.InfoRequest(), timeout)
 
-    def assign(self, start: int, end: int, timeout: float = 600.0) -> pb.WorkerInfo:
-        return self._unary("Assign", pb.AssignRequest(layer_start=start, layer_end=end), timeout)
+    def assign(
+        self,
+        start: int,
+        end: int,
+        model_source: str = "",
+        fetch_only: bool = False,
+        timeout: float = ASSIGN_DEADLINE_S,
+    ) -> pb.WorkerInfo:
+        """Load layers start-end (a worker that fetches its layers first fetches the ones it
+        lacks from `model_source`: hence the long deadline; a worker that dies meanwhile
+        ends the call at once through the channel's keepalive)."""
+        request = pb.AssignRequest(
+            layer_start=start, layer_end=end, model_source=model_source, fetch_only=fetch_only
+        )
+        return self._unary("Assign", request, timeout)
 
     def route(self, epoch: int, next_stage: str, prev_stage: str) -> pb.WorkerInfo:
         request = pb.RouteRequest(plan_epoch=epoch, next_stage=next_stage, prev_stage=prev_stage)

@@ -10,14 +10,18 @@ from common.model_parts import load_model_parts
 from common.tokenizer import Tokenizer
 from coordinator.engine.engine import Engine
 from coordinator.engine.pipeline import LocalPipeline
+from coordinator.model_source.hub_model import download_model, looks_like_repo_id
 
 
 def resolve_model(model: str) -> Path:
-    """`default` is the built-in SmolLM2-135M-Instruct, fetched and converted once."""
+    """`default` is the built-in SmolLM2-135M-Instruct, fetched and converted once; an
+    `org/name` that is not a folder here comes from the Hugging Face hub."""
     if model == "default":
         from common.default_model import default_model_path
 
         return default_model_path()
+    if looks_like_repo_id(model):
+        return download_model(model)
     return Path(model).expanduser()
 
 

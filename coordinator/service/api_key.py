@@ -21,12 +21,14 @@ def bearer_matches(authorization: str | None, key: str | None) -> bool:
 
 
 class ApiKeyInterceptor(grpc.ServerInterceptor):
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, open_prefixes: tuple[str, ...] = ()) -> None:
+        """`open_prefixes`: more methods that need no key (those with their own guard)."""
         self.key = key
+        self.open_prefixes = OPEN_GRPC_PREFIXES + tuple(open_prefixes)
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None or details.method.startswith(OPEN_GRPC_PREFIXES):
+        if handler is None or details.method.startswith(self.open_prefixes):
             return handler
         md = dict(details.invocation_metadata or ())
         if bearer_matches(md.get("authorization"), self.key):

@@ -76,6 +76,17 @@ class Metrics:
             buckets=_TOKEN_LATENCY,
             registry=r,
         )
+        self.fetch_bytes = Counter(
+            "wedlm:layer_fetch_bytes", "Layer bytes sent to workers that fetch them.", registry=r
+        )
+        self.fetches_active = Gauge(
+            "wedlm:layer_fetches_active", "Workers fetching layers now.", registry=r
+        )
+        self.fetch_remaining = Gauge(
+            "wedlm:layer_fetch_remaining_bytes",
+            "Bytes the workers fetching now have still to receive.",
+            registry=r,
+        )
 
         self.http_requests = Counter(
             "wedlm:http_requests",

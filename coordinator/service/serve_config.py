@@ -12,7 +12,7 @@ from common.layer_range import LayerRange
 
 # key → (type, description) ; every key is optional
 KEYS: dict[str, tuple[type, str]] = {
-    "model": (str, "model folder or 'default'"),
+    "model": (str, "model folder, 'default' or a Hugging Face hub id"),
     "host": (str, "address to listen on"),
     "port": (int, "port"),
     "cluster": (str, "cluster name"),

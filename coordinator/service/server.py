@@ -18,6 +18,7 @@ import mlx.core as mx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import host_info
+from common.call_auth import ClusterAuthInterceptor
 from common.errors import WedlmError
 from common.grpc_services import MESSAGE_LIMIT, add_service, enable_reflection
 from common.layer_range import LayerRange
@@ -37,6 +38,8 @@ from coordinator.engine.pipeline import StagePipeline
 from coordinator.engine.warmup import warm_up
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.http_server import HttpServer
+from coordinator.model_source.fetch_progress import FetchProgress
+from coordinator.model_source.servicer import ModelSourceServicer
 from coordinator.service.admission import Admission
 from coordinator.service.api_key import ApiKeyInterceptor
 from coordinator.service.engine_loop import EngineLoop
@@ -47,6 +50,15 @@ from coordinator.service.servicer import CoordinatorServicer
 from coordinator.service.stage_planner import PlanSettings, StagePlanner
 
 log = logging.getLogger(__name__)
+MODEL_SOURCE = "/wedlm.v1.ModelSource/"
+
+
+def source_address(host: str, port: int) -> str:
+    """Where workers reach this coordinator's ModelSource: ":port" when it listens on every
+    interface (each worker then uses the address the coordinator's calls come from)."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        return f":{port}"
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 @dataclass
@@ -129,19 +141,33 @@ class CoordinatorServer:
         self.recovery_problem = ""
         self._stopping = threading.Event()
         self.model_name = opts.served_model_name or opts.model.name
+        # Workers' fetches carry the cluster's credentials; clients' calls the API key.
+        interceptors = [
+            ClusterAuthInterceptor(
+                opts.secret, self.config.identity, guarded=(MODEL_SOURCE,), role="coordinator"
+            )
+        ]
+        if opts.api_key:
+            interceptors.append(ApiKeyInterceptor(opts.api_key, open_prefixes=(MODEL_SOURCE,)))
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=64),
             options=[
                 ("grpc.max_send_message_length", MESSAGE_LIMIT),
                 ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                # workers' fetch channels ping every 10 s, also between calls
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
             ],
-            interceptors=[ApiKeyInterceptor(opts.api_key)] if opts.api_key else None,
+            interceptors=interceptors,
         )
         self.admission = Admission(self.engine, self.jobs, lambda: self.loop, lambda: self.draining)
         servicer = CoordinatorServicer(
             self.engine, self.tokenizer, self.admission, self.cluster_status, self.model_name
         )
         add_service(self.server, servicer, "Coordinator")
+        self.fetches = FetchProgress(self.metrics)
+        source = ModelSourceServicer(self.config, self.model_name, self.fetches)
+        add_service(self.server, source, "ModelSource")
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         enable_reflection(self.server)
         # "" and "liveness": the process answers. "readiness": the model is loaded, the
@@ -198,6 +224,7 @@ class CoordinatorServer:
                 opts.kv_reserve_tokens,
                 opts.micro_batches,
                 opts.tls,
+                model_source=source_address(opts.host, self.port),
             )
             self.planner = StagePlanner(settings, self.config, self.local, self.browser)
             pipeline, micro_batches = self._first_plan()
@@ -365,6 +392,7 @@ class CoordinatorServer:
             waiting_for=self._waiting_for(),
             local_layers=str(self.local.layer_range or "") if self.local is not None else "",
             plan_epoch=self.planner.epoch if self.planner is not None else 0,
+            fetches=self.fetches.snapshot(),
         )
         for e in self.entries:
             status = reply.workers.add(

@@ -62,7 +62,11 @@ def _layer_range(text: str):
 
 
 def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    p.add_argument("--model", required=model_required, help="model folder, or 'default'")
+    p.add_argument(
+        "--model",
+        required=model_required,
+        help="model folder, 'default', or a Hugging Face hub id (org/name)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=50051, help="port (0 = any free port)")
     p.add_argument("--cluster", default="default", help="cluster name (workers must match)")
@@ -266,8 +270,11 @@ def serve_options(args: argparse.Namespace, **fixed):
 
 def serve(args: argparse.Namespace) -> int:
     from coordinator.engine.local_engine import resolve_model
+    from coordinator.model_source.hub_model import looks_like_repo_id
     from coordinator.service.server import CoordinatorServer
 
+    if looks_like_repo_id(args.model) and not args.served_model_name:
+        args.served_model_name = args.model  # the hub id, not the snapshot's folder name
     opts = serve_options(
         args,
         model=resolve_model(args.model),
@@ -295,7 +302,7 @@ def serve(args: argparse.Namespace) -> int:
     if server.failed:
         server.stop(0)
         raise WedlmError(server.failed)
-    print(f"wedlm-coordinator serving {Path(opts.model).name}: {server.layout()}", flush=True)
+    print(f"wedlm-coordinator serving {server.model_name}: {server.layout()}", flush=True)
     stop.wait()
     cancelled = server.drain(args.drain_timeout)
     print(f"wedlm-coordinator drained ({cancelled} unfinished jobs cancelled)", flush=True)

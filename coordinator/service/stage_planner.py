@@ -18,6 +18,7 @@ from coordinator.cluster.cluster_setup import (
     LocalMember,
     assemble,
     plan_stages,
+    prefetch,
     probe_all,
 )
 from coordinator.cluster.discovery import (
@@ -41,6 +42,7 @@ class PlanSettings:
     kv_reserve_tokens: int
     micro_batches: int  # 0: one per stage
     tls: object = None
+    model_source: str = ""  # where workers fetch layers they lack (AssignRequest.model_source)
 
 
 class StagePlanner:
@@ -86,6 +88,7 @@ class StagePlanner:
             tls=s.tls,
             local=self._local_member(),
             epoch=epoch,
+            model_source=s.model_source,
         )
         runner = self.local.hold(assembly.local) if self.local is not None else None
         links = assembly.links
@@ -117,12 +120,18 @@ class StagePlanner:
             return []
         s = self.settings
         probed = probe_all(fresh, self.config, s.secret, s.cluster, probe_timeout_s, s.tls)
-        for e in probed:
-            if e.link is not None:
-                e.link.close()
+        try:
+            return self._joining(current, probed)
+        finally:
+            for e in probed:
+                if e.link is not None:
+                    e.link.close()
+
+    def _joining(self, current: Assembly, probed: list) -> list[str]:
         arrived = [e for e in probed if e.health == "serving"]
         if not arrived:
             return []
+        s = self.settings
         members = [e for e in current.entries if e.health == "serving"] + arrived
         local = None
         if self.local is not None:
@@ -135,7 +144,10 @@ class StagePlanner:
         now = {e.address: e.layers for e in current.entries if e.layers is not None}
         if current.local is not None:
             now[LOCAL] = current.local
-        return [e.address for e in arrived] if plan != now else []
+        if plan == now:
+            return []
+        prefetch(arrived, plan, s.model_source)  # while the current pipeline serves
+        return [e.address for e in arrived]
 
     def waiting_for(self) -> str:
         """Listed workers that are not part of the plan (unreachable or refused)."""

@@ -1,0 +1,197 @@
+"""Fetch the layers a worker is assigned from the coordinator's ModelSource into its
+LayerCache: cached files are checked against the coordinator's checksums, partial ones
+resumed, new ones written as `.part` and renamed once their checksum matches. Runs on the
+gRPC handler thread of the Assign call, never on the MLX thread."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+import grpc
+
+from common.call_auth import call_metadata
+from common.errors import WedlmError
+from common.grpc_services import CHANNEL_OPTIONS
+from common.layer_range import LayerRange
+from common.model_config import ModelConfig
+from common.proto_gen import wedlm_pb2 as pb
+from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from common.tls import TlsConfig, open_channel
+from shard_worker.layer_cache import LayerCache, sha256_file
+
+log = logging.getLogger(__name__)
+SERVICE = "/wedlm.v1.ModelSource/"
+MANIFEST_DEADLINE_S = 600.0  # the coordinator may hash a range of cached layers first
+
+
+class FetchError(WedlmError):
+    """The coordinator could not be reached or refused the fetch; `code` is its status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        super().__init__(message)
+        self.code = code
+
+
+def _progress_bar(total: int, what: str):
+    from tqdm import tqdm
+
+    # disable=None: drawn only when stderr is a terminal (logs and tests stay clean)
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=what,
+                disable=None, leave=False)  # fmt: skip
+
+
+class LayerFetcher:
+    def __init__(
+        self,
+        cache: LayerCache,
+        secret: str | None,
+        tls: TlsConfig | None,
+        node_id: str,
+        max_bytes_per_s: float | None = None,
+    ) -> None:
+        self.cache = cache
+        self.secret = secret
+        self.tls = tls
+        self.node_id = node_id
+        self.max_bytes_per_s = max_bytes_per_s  # --fetch-limit-mbps: leave the network room
+
+    def fetch(self, source: str, identity: str, layers: LayerRange) -> ModelConfig:
+        """Make `layers` of model `identity` complete in the cache; return its config."""
+        channel = open_channel(source, self.tls, CHANNEL_OPTIONS)
+        try:
+            return self._fetch(pb_grpc.ModelSourceStub(channel), source, identity, layers)
+        finally:
+            channel.close()
+
+    def _call(self, source: str, identity: str, method: str, call, request, **kw):
+        md = call_metadata(self.secret, SERVICE + method, identity)
+        try:
+            return call(request, metadata=md, **kw)
+        except grpc.RpcError as e:
+            raise FetchError(
+                f"fetching layers from {source}: {e.code().name}: {e.details()}", e.code()
+            ) from None
+
+    def _fetch(self, stub, source: str, identity: str, layers: LayerRange) -> ModelConfig:
+        cache = self.cache
+        present = cache.cached_layers(identity)
+        wanted = list(layers)
+        request = pb.LayerManifestRequest(
+            layers=wanted, with_sha256=[i for i in wanted if i in present], node_id=self.node_id
+        )
+        manifest = self._call(source, identity, "LayerManifest", stub.LayerManifest, request,
+                              timeout=MANIFEST_DEADLINE_S)  # fmt: skip
+        if manifest.model_identity != identity:
+            raise FetchError(
+                f"{source} serves model {manifest.model_identity}, not {identity}",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        config = cache.store_config(identity, manifest.config_json, manifest.model_name)
+        files = {f.layer: f for f in manifest.files}
+        todo = []
+        for layer in wanted:
+            path = present.get(layer)
+            if path is not None:
+                if cache.matches(path, files[layer].sha256):
+                    continue
+                log.warning("cached %s does not match its checksum: fetching it again", path)
+                cache.drop_file(path)
+            todo.append(layer)
+        cache.touch(identity)
+        if not todo:
+            return config
+        sizes = {i: files[i].size for i in wanted}
+        partial = {i: self._part_size(identity, i, sizes[i]) for i in todo}
+        need = sum(sizes[i] - partial[i] for i in todo)
+        cache.make_room(identity, layers, sum(sizes.values()), need)
+        announce = pb.LayerManifestRequest(node_id=self.node_id, fetch_bytes=need)
+        self._call(source, identity, "LayerManifest", stub.LayerManifest, announce, timeout=30)
+        log.info("fetching layers %s from %s: %.1f MB", layers, source, need / 1e6)
+        with _progress_bar(need, f"layers {layers}") as bar:
+            for layer in todo:
+                self._fetch_layer(stub, source, identity, layer, sizes[layer], bar)
+        cache.touch(identity)
+        return config
+
+    def _part_size(self, identity: str, layer: int, size: int) -> int:
+        part = self.cache.part_path(identity, layer)
+        if not part.exists():
+            return 0
+        have = part.stat().st_size
+        if have > size:  # not a prefix of this file: start over
+            part.unlink()
+            return 0
+        return have
+
+    def _fetch_layer(self, stub, source, identity, layer: int, size: int, bar) -> None:
+        part = self.cache.part_path(identity, layer)
+        for attempt in range(2):  # a resumed file that fails its checksum is fetched whole
+            offset = part.stat().st_size if part.exists() else 0
+            digest = hashlib.sha256()
+            if offset:
+                sha256_file(part, digest)  # the bytes already here count toward the checksum
+            expected = self._stream(stub, source, identity, layer, offset, part, digest, bar)
+            if part.stat().st_size != size:
+                raise FetchError(
+                    f"layer {layer} from {source}: got {part.stat().st_size} of {size} bytes"
+                )
+            if digest.hexdigest() == expected:
+                final = self.cache.layer_path(identity, layer)
+                part.replace(final)
+                self.cache.remember(final, expected)
+                return
+            log.warning("layer %d from %s failed its checksum (attempt %d)", layer, source,
+                        attempt + 1)  # fmt: skip
+            part.unlink()
+        raise FetchError(f"layer {layer} from {source} failed its checksum twice",
+                         grpc.StatusCode.DATA_LOSS)  # fmt: skip
+
+    def _stream(self, stub, source, identity, layer, offset, part: Path, digest, bar) -> str:
+        request = pb.FetchLayerRequest(layer=layer, offset=offset, node_id=self.node_id)
+        chunks = self._call(source, identity, "FetchLayer", stub.FetchLayer, request)
+        expected = ""
+        if offset:
+            log.info("resuming layer %d at byte %d of its file", layer, offset)
+        pace = _Pace(self.max_bytes_per_s)
+        try:
+            with open(part, "ab") as out:
+                for chunk in chunks:
+                    if chunk.sha256:
+                        expected = chunk.sha256
+                        break
+                    if chunk.offset != offset:
+                        raise FetchError(
+                            f"layer {layer}: a chunk at {chunk.offset}, expected {offset}"
+                        )
+                    out.write(chunk.data)  # appended as it arrives: an interruption keeps it
+                    digest.update(chunk.data)
+                    offset += len(chunk.data)
+                    bar.update(len(chunk.data))
+                    pace.wait(len(chunk.data))
+        except grpc.RpcError as e:
+            raise FetchError(
+                f"fetching layer {layer} from {source}: {e.code().name}: {e.details()}", e.code()
+            ) from None
+        if not expected:
+            raise FetchError(f"layer {layer} from {source}: the stream ended without a checksum")
+        return expected
+
+
+class _Pace:
+    """Sleeps so that the bytes taken stay under a rate (None: no limit)."""
+
+    def __init__(self, bytes_per_s: float | None) -> None:
+        self.rate = bytes_per_s
+        self.started = time.monotonic()
+        self.taken = 0
+
+    def wait(self, nbytes: int) -> None:
+        if not self.rate:
+            return
+        self.taken += nbytes
+        ahead = self.taken / self.rate - (time.monotonic() - self.started)
+        if ahead > 0:
+            time.sleep(ahead)
