@@ -239,6 +239,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if start < 0 or end < start:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid layer range {start}-{end}")
         wanted = LayerRange(start, end)
+        if self.fetcher is None:
+            self._check_in_model(wanted, context)
         fixed = self.layers.fixed
         if fixed is not None and wanted != fixed:
             context.abort(
@@ -260,12 +262,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "this worker serves its own model folder and fetches no layers",
             )
-        num = self.config.num_layers
-        if end >= num:
-            context.abort(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"layer range {start}-{end} is past the model's {num} layers (0-{num - 1})",
-            )
+        self._check_in_model(wanted, context)  # a fetched model is known only now
         try:
             self.mlx.submit(self.layers.load, wanted).result()
         except Exception as e:
@@ -273,6 +270,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finally:
             self.on_layers_changed()
         return self.info()
+
+    def _check_in_model(self, wanted: LayerRange, context) -> None:
+        num = self.config.num_layers
+        if wanted.end >= num:
+            context.abort(
+                grpc.StatusCode.OUT_OF_RANGE,
+                f"layer range {wanted} is past the model's {num} layers (0-{num - 1})",
+            )
 
     def _fetch(self, request: pb.AssignRequest, wanted: LayerRange, context) -> ModelConfig:
         """The coordinator's model with `wanted` complete in the cache (fetched if missing)."""

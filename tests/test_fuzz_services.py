@@ -8,6 +8,7 @@ credentials must each end in a valid reply or a precise status: never UNKNOWN or
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import string
 import time
@@ -44,6 +45,7 @@ REFUSALS = {
 }
 # Request bytes that do not parse are answered INVALID_ARGUMENT, "malformed <Message>: ...".
 WORKER_METHODS = ("Forward", "Release", "Assign", "Info")
+MODEL_SOURCE_METHODS = ("LayerManifest", "FetchLayer")  # the coordinator's, for workers
 COORDINATOR_METHODS = (
     "Generate",
     "Submit",
@@ -84,6 +86,7 @@ class Cluster:
     identity: str
     worker_channel: grpc.Channel
     channel: grpc.Channel
+    model: Path
 
     @property
     def worker_stub(self) -> pb_grpc.WorkerStub:
@@ -93,12 +96,12 @@ class Cluster:
     def stub(self) -> pb_grpc.CoordinatorStub:
         return pb_grpc.CoordinatorStub(self.channel)
 
-    def md(self, method: str) -> list[tuple[str, str]]:
-        """Proper credentials for one worker call (a token is good for one call only)."""
+    def md(self, method: str, service: str = "Worker") -> list[tuple[str, str]]:
+        """Proper credentials for one cluster call (a token is good for one call only)."""
         return [
             (PROTOCOL_KEY, str(PROTOCOL_VERSION)),
             (MODEL_KEY, self.identity),
-            (AUTH_KEY, auth_token(SECRET, f"/wedlm.v1.Worker/{method}")),
+            (AUTH_KEY, auth_token(SECRET, f"/wedlm.v1.{service}/{method}")),
         ]
 
     def logs(self, since: tuple[int, int] = (0, 0)) -> str:
@@ -166,6 +169,7 @@ def cluster(checkpoint_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                 load_model_config(model).identity,
                 worker_channel,
                 channel,
+                model,
             )
             c.assert_serving()
             info = c.worker_stub.Info(pb.InfoRequest(), metadata=c.md("Info"), timeout=CALL_S)
@@ -300,9 +304,11 @@ class Credentials:
     kind: str
     token: Any = None  # for "garbage"
 
-    def metadata(self, cluster: Cluster, method: str) -> list[tuple[str, str]]:
-        path = f"/wedlm.v1.Worker/{method}"
-        md = dict(cluster.md(method))
+    def metadata(
+        self, cluster: Cluster, method: str, service: str = "Worker"
+    ) -> list[tuple[str, str]]:
+        path = f"/wedlm.v1.{service}/{method}"
+        md = dict(cluster.md(method, service))
         now = time.time()
         match self.kind:
             case "none":
@@ -310,8 +316,9 @@ class Credentials:
             case "wrong-secret":
                 md[AUTH_KEY] = auth_token("not-" + SECRET, path)
             case "other-method":
-                other = next(m for m in WORKER_METHODS if m != method)
-                md[AUTH_KEY] = auth_token(SECRET, f"/wedlm.v1.Worker/{other}")
+                methods = MODEL_SOURCE_METHODS if service == "ModelSource" else WORKER_METHODS
+                other = next(m for m in methods if m != method)
+                md[AUTH_KEY] = auth_token(SECRET, f"/wedlm.v1.{service}/{other}")
             case "expired":
                 md[AUTH_KEY] = auth_token(SECRET, path, now=now - 3600)
             case "future":
@@ -341,7 +348,12 @@ class Credentials:
 def spend(cluster: Cluster, method: str, md: list[tuple[str, str]]) -> None:
     """A harmless accepted call, which uses up the token in `md`."""
     stub = cluster.worker_stub
-    if method == "Forward":
+    source = pb_grpc.ModelSourceStub(cluster.channel)
+    if method == "LayerManifest":
+        source.LayerManifest(pb.LayerManifestRequest(layers=[0]), metadata=md, timeout=CALL_S)
+    elif method == "FetchLayer":
+        list(source.FetchLayer(pb.FetchLayerRequest(layer=1), metadata=md, timeout=CALL_S))
+    elif method == "Forward":
         assert list(stub.Forward(iter([]), metadata=md, timeout=CALL_S)) == []
     elif method == "Release":
         stub.Release(pb.ReleaseRequest(), metadata=md, timeout=CALL_S)
@@ -522,6 +534,8 @@ def assign_expected(request: pb.AssignRequest) -> S | None:
         return S.INVALID_ARGUMENT
     if end >= 2:
         return S.OUT_OF_RANGE
+    if request.fetch_only:  # this worker has its own model folder: it fetches nothing
+        return S.FAILED_PRECONDITION
     return None if (start, end) == (0, 1) else S.FAILED_PRECONDITION
 
 
@@ -877,3 +891,80 @@ def test_worker_route_refusals(serving: Cluster, request: pb.RouteRequest, creds
     after = serving.worker_stub.Info(pb.InfoRequest(), metadata=serving.md("Info")).plan_epoch
     assert after == before == PLAN_EPOCH
     serving.assert_alive()
+
+
+# ---- the coordinator's ModelSource (workers fetch their layers from it) ----------------
+def manifest_expected(request: pb.LayerManifestRequest) -> S | None:
+    if any(not 0 <= layer < 2 for layer in [*request.layers, *request.with_sha256]):
+        return S.OUT_OF_RANGE
+    return None
+
+
+MANIFEST_REQUESTS = st.one_of(
+    fm.messages(pb.LayerManifestRequest.DESCRIPTOR),
+    fm.mutated(pb.LayerManifestRequest(layers=[0, 1], with_sha256=[1], node_id="w")),
+    st.builds(
+        pb.LayerManifestRequest,
+        layers=st.lists(st.integers(-2, 3), max_size=4),
+        with_sha256=st.lists(st.integers(-1, 2), max_size=2),
+        fetch_bytes=st.integers(0, 2**64 - 1),
+    ),
+)
+
+
+@FEW
+@given(request=MANIFEST_REQUESTS, creds=credentials())
+def test_model_source_manifest(serving: Cluster, request, creds: Credentials):
+    expected = creds.expected or manifest_expected(request)
+    stub = pb_grpc.ModelSourceStub(serving.channel)
+    md = creds.metadata(serving, "LayerManifest", "ModelSource")
+    reply, code = call(
+        serving,
+        f"LayerManifest({request})",
+        lambda: stub.LayerManifest(request, metadata=md, timeout=CALL_S),
+        REFUSALS | {S.UNAUTHENTICATED},
+    )
+    assert code == expected, f"LayerManifest({request}) with {creds.kind} credentials: {code}"
+    if code is None:
+        assert [f.layer for f in reply.files] == list(dict.fromkeys(request.layers))
+        assert all(bool(f.sha256) == (f.layer in request.with_sha256) for f in reply.files)
+    serving.assert_alive()
+
+
+FETCH_REQUESTS = st.one_of(
+    fm.messages(pb.FetchLayerRequest.DESCRIPTOR),
+    fm.mutated(pb.FetchLayerRequest(layer=1, offset=100)),
+    st.builds(pb.FetchLayerRequest, layer=st.integers(-1, 2), offset=st.integers(0, 1 << 20)),
+)
+
+
+@FEW
+@given(request=FETCH_REQUESTS, creds=credentials())
+def test_model_source_fetch(serving: Cluster, request, creds: Credentials):
+    files = _layer_files(serving.model)
+    expected = creds.expected
+    if expected is None:
+        past = not 0 <= request.layer < 2 or request.offset > files[request.layer].size
+        expected = S.OUT_OF_RANGE if past else None
+    stub = pb_grpc.ModelSourceStub(serving.channel)
+    md = creds.metadata(serving, "FetchLayer", "ModelSource")
+    got, code = stream_call(
+        serving,
+        f"FetchLayer({request})",
+        stub.FetchLayer(request, metadata=md, timeout=CALL_S),
+        REFUSALS | {S.UNAUTHENTICATED},
+    )
+    assert code == expected, f"FetchLayer({request}) with {creds.kind} credentials: {code}"
+    if code is None:
+        body = b"".join(c.data for c in got)
+        assert len(body) == files[request.layer].size - request.offset
+        assert got[-1].sha256 == files.sha256(request.layer)
+    serving.assert_alive()
+
+
+@functools.cache
+def _layer_files(model: Path):
+    """The fuzz model's layers as the coordinator serves them."""
+    from coordinator.model_source.layer_files import LayerFiles
+
+    return LayerFiles(model, 2)

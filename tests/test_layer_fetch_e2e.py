@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -34,6 +35,7 @@ from tests.cluster_harness import (
     start_fetching_worker,
 )
 from wedlm_client.client import WedlmClient
+from wedlm_client.status_view import format_status
 
 SECRET = "fetch-secret"
 JOBS = [
@@ -187,8 +189,9 @@ def test_a_killed_fetch_resumes_and_ends_with_the_same_checksums(wide_model, tmp
     )  # 2 MB/s: a few seconds for the range
     coord, coord_address = start_coordinator(
         wide_model, name, "--no-bonjour", "--no-local-layers", "--secret", SECRET,
-        "--worker", address,
+        "--worker", address, "--metrics-port", "0",
     )  # fmt: skip
+    metrics_url = coord.expect(r"metrics on (http://\S+)").group(1)
     procs = [worker, coord]
     try:
         folder = cache / load_model_config(wide_model).identity
@@ -200,6 +203,15 @@ def test_a_killed_fetch_resumes_and_ends_with_the_same_checksums(wide_model, tmp
             time.sleep(0.05)
         else:
             raise AssertionError("the fetch never started")
+        # progress is visible in the status and the metrics while it runs
+        with WedlmClient(coord_address, timeout=30) as client:
+            st = client.status_dict()
+        (fetch,) = st["fetches"]
+        assert fetch["node_id"] and 0 < int(fetch["bytes_done"]) < int(fetch["bytes_total"])
+        assert "fetching layers: " in format_status(st)
+        text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+        assert "wedlm:layer_fetches_active 1.0" in text
+        assert float(text.split("wedlm:layer_fetch_bytes_total ")[1].split()[0]) > 0
         worker.popen.send_signal(signal.SIGKILL)
         worker.popen.wait(10)
         partial = parts[0].stat().st_size

@@ -35,7 +35,7 @@ def test_api_key_file(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("model = 3", "model (model folder or 'default') must be a str"),
+        ("model = 3", "model (model folder, 'default' or a Hugging Face hub id) must be a str"),
         ("colour = 'red'", "unknown setting 'colour'"),
         ("expect = -1", "expect must be 0 or more"),
         ("layers = '2-3'", "must start at 0"),
