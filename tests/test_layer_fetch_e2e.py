@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -211,7 +212,8 @@ def test_a_killed_fetch_resumes_and_ends_with_the_same_checksums(wide_model, tmp
         assert "fetching layers: " in format_status(st)
         text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
         assert "wedlm:layer_fetches_active 1.0" in text
-        assert float(text.split("wedlm:layer_fetch_bytes_total ")[1].split()[0]) > 0
+        sent = re.search(r"^wedlm:layer_fetch_bytes_total (\S+)$", text, re.MULTILINE)
+        assert float(sent.group(1)) > 0
         worker.popen.send_signal(signal.SIGKILL)
         worker.popen.wait(10)
         partial = parts[0].stat().st_size
