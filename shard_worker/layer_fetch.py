@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -157,7 +159,7 @@ class LayerFetcher:
             log.info("resuming layer %d at byte %d of its file", layer, offset)
         pace = _Pace(self.max_bytes_per_s)
         try:
-            with open(part, "ab") as out:
+            with _PartWriter(part, digest) as out:
                 for chunk in chunks:
                     if chunk.sha256:
                         expected = chunk.sha256
@@ -166,11 +168,11 @@ class LayerFetcher:
                         raise FetchError(
                             f"layer {layer}: a chunk at {chunk.offset}, expected {offset}"
                         )
-                    out.write(chunk.data)  # appended as it arrives: an interruption keeps it
-                    digest.update(chunk.data)
-                    offset += len(chunk.data)
-                    bar.update(len(chunk.data))
-                    pace.wait(len(chunk.data))
+                    data = chunk.data  # (each read of the field copies it)
+                    out.put(data)
+                    offset += len(data)
+                    bar.update(len(data))
+                    pace.wait(len(data))
         except grpc.RpcError as e:
             raise FetchError(
                 f"fetching layer {layer} from {source}: {e.code().name}: {e.details()}", e.code()
@@ -178,6 +180,45 @@ class LayerFetcher:
         if not expected:
             raise FetchError(f"layer {layer} from {source}: the stream ended without a checksum")
         return expected
+
+
+class _PartWriter:
+    """Appends chunks to a `.part` file and hashes them on a thread of its own, so that
+    writing and hashing overlap receiving (both release the GIL). Whatever was received
+    before an interruption is on disk: the next fetch resumes after it."""
+
+    def __init__(self, path: Path, digest, depth: int = 8) -> None:
+        self._out = open(path, "ab")  # noqa: SIM115 (closed by __exit__)
+        self._digest = digest
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)  # bounds the memory in flight
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="layer-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            if self._error is not None:
+                continue
+            try:
+                self._out.write(data)
+                self._digest.update(data)
+            except BaseException as e:  # raised on the receiving thread at close
+                self._error = e
+
+    def put(self, data: bytes) -> None:
+        if self._error is not None:
+            raise self._error
+        self._queue.put(data)
+
+    def __enter__(self) -> _PartWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._out.close()
+        if self._error is not None and exc[0] is None:
+            raise self._error
 
 
 class _Pace:

@@ -10,7 +10,7 @@ from google.protobuf.message import DecodeError
 from common.proto_gen import wedlm_pb2 as pb
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode, encode_frame
-from common.wire_frames import TensorFrame, framed_parser, serialize, with_tensor
+from common.wire_frames import TensorFrame, framed_parser, serialize, with_bytes, with_tensor
 from coordinator.cluster.worker_chain import forward_request
 
 SHAPES = [(1, 3, 8), (2, 16, 64), (0, 1, 8), (1, 70_000, 1)]  # 70,000: a 3-byte length
@@ -112,3 +112,14 @@ def test_framed_parser_refuses_what_does_not_parse():
     with pytest.raises(DecodeError):
         parse(b"\x07")  # wire type 7 does not exist
     assert parse(b"").tensor is None  # an empty message has no tensor: the servicer says so
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 300_000])
+def test_a_bytes_field_framed_by_hand_parses_as_protobuf_writes_it(size):
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    framed = with_bytes(pb.LayerChunk(offset=7, sha256=""), "data", memoryview(data))
+    assert pb.LayerChunk.FromString(framed) == pb.LayerChunk(offset=7, data=data)
+    if size:  # byte for byte what protobuf writes (it leaves an empty field out)
+        assert framed == pb.LayerChunk(offset=7, data=data).SerializeToString()
+    with pytest.raises(ValueError, match="framed by hand"):
+        with_bytes(pb.LayerChunk(data=b"x"), "data", data)

@@ -58,13 +58,26 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 
 def _layer_file(layer: int, tensors: list[tuple[str, dict, Path, int]], fmt: str) -> LayerFile:
+    """The tensors in the order they lie in the checkpoint's files, so that the served file
+    is a few contiguous runs of them (read with one call per chunk)."""
     header: dict = {"__metadata__": {"format": fmt}}
-    segments, at = [], 0
-    for name, entry, path, data_start in sorted(tensors, key=lambda t: t[0]):
+    segments: list[Segment] = []
+    at = 0
+    for name, entry, path, data_start in sorted(
+        tensors, key=lambda t: (str(t[2]), t[1]["data_offsets"][0])
+    ):
         begin, end = entry["data_offsets"]
         span = [at, at + end - begin]
         header[name] = {"dtype": entry["dtype"], "shape": entry["shape"], "data_offsets": span}
-        segments.append(Segment(path, data_start + begin, end - begin))
+        last = segments[-1] if segments else None
+        if (
+            last is not None
+            and last.path == path
+            and last.offset + last.length == data_start + begin
+        ):
+            segments[-1] = Segment(path, last.offset, last.length + end - begin)  # contiguous
+        else:
+            segments.append(Segment(path, data_start + begin, end - begin))
         at += end - begin
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as safetensors writes it
@@ -101,29 +114,22 @@ class LayerFiles:
         return self.files[layer]
 
     def chunks(self, layer: int, offset: int = 0) -> Iterator[tuple[int, bytes]]:
-        """(offset, bytes) of the layer's file from `offset` on, in chunks of at most CHUNK."""
+        """(offset, bytes) of the layer's file from `offset` on, in pieces of at most CHUNK
+        (read straight from the checkpoint, no copying into buffers)."""
         lf = self.files[layer]
         pos = 0
-        pieces: list[tuple[bytes | Segment, int]] = [(lf.header, len(lf.header))]
-        pieces += [(s, s.length) for s in lf.segments]
-        buffer, buffer_at = bytearray(), max(offset, 0)
-        for piece, length in pieces:
-            if pos + length <= offset:
-                pos += length
+        if offset < len(lf.header):
+            yield offset, lf.header[offset:]
+        for seg in lf.segments:
+            start = len(lf.header) + pos
+            pos += seg.length
+            skip = max(offset - start, 0)
+            if skip >= seg.length:
                 continue
-            skip = max(offset - pos, 0)
-            if isinstance(piece, bytes):
-                buffer += piece[skip:]
-            else:
-                for data in _read_range(piece.path, piece.offset + skip, length - skip):
-                    buffer += data
-                    while len(buffer) >= CHUNK:
-                        yield buffer_at, bytes(buffer[:CHUNK])
-                        del buffer[:CHUNK]
-                        buffer_at += CHUNK
-            pos += length
-        if buffer:
-            yield buffer_at, bytes(buffer)
+            at = start + skip
+            for data in _read_range(seg.path, seg.offset + skip, seg.length - skip):
+                yield at, data
+                at += len(data)
 
     def sha256(self, layer: int) -> str:
         with self._lock:

@@ -12,6 +12,7 @@ import grpc
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from common.wire_frames import with_bytes
 from coordinator.model_source.fetch_progress import FetchProgress
 from coordinator.model_source.layer_files import LayerFiles
 
@@ -78,7 +79,7 @@ class ModelSourceServicer(pb_grpc.ModelSourceServicer):
             if digest is not None:
                 digest.update(data)
             self.progress.sent(request.node_id, peer, len(data))
-            yield pb.LayerChunk(offset=offset, data=data)
+            yield with_bytes(pb.LayerChunk(offset=offset), "data", data)  # passed as is
         if digest is not None:
             known = digest.hexdigest()
             self.files.remember_sha256(request.layer, known)
