@@ -10,6 +10,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -26,6 +27,9 @@ from shard_worker.layer_cache import LayerCache, sha256_file
 
 log = logging.getLogger(__name__)
 SERVICE = "/wedlm.v1.ModelSource/"
+# Layers fetched at once: one stream is bound by its writer thread (write, then hash), so
+# two keep a many-core machine's network and disk busier (measured in RESULTS.md).
+STREAMS = 2
 MANIFEST_DEADLINE_S = 600.0  # the coordinator may hash a range of cached layers first
 
 
@@ -112,9 +116,17 @@ class LayerFetcher:
         announce = pb.LayerManifestRequest(node_id=self.node_id, fetch_bytes=need)
         self._call(source, identity, "LayerManifest", stub.LayerManifest, announce, timeout=30)
         log.info("fetching layers %s from %s: %.1f MB", layers, source, need / 1e6)
-        with _progress_bar(need, f"layers {layers}") as bar:
-            for layer in todo:
-                self._fetch_layer(stub, source, identity, layer, sizes[layer], bar)
+        pace = _Pace(self.max_bytes_per_s)  # one budget for all streams
+        with (
+            _progress_bar(need, f"layers {layers}") as bar,
+            ThreadPoolExecutor(STREAMS, thread_name_prefix="fetch") as pool,
+        ):
+            fetches = [
+                pool.submit(self._fetch_layer, stub, source, identity, i, sizes[i], bar, pace)
+                for i in todo
+            ]
+            for done in fetches:
+                done.result()  # the first failure is raised (the others finish or fail too)
         cache.touch(identity)
         return config
 
@@ -128,14 +140,14 @@ class LayerFetcher:
             return 0
         return have
 
-    def _fetch_layer(self, stub, source, identity, layer: int, size: int, bar) -> None:
+    def _fetch_layer(self, stub, source, identity, layer: int, size: int, bar, pace) -> None:
         part = self.cache.part_path(identity, layer)
         for attempt in range(2):  # a resumed file that fails its checksum is fetched whole
             offset = part.stat().st_size if part.exists() else 0
             digest = hashlib.sha256()
             if offset:
                 sha256_file(part, digest)  # the bytes already here count toward the checksum
-            expected = self._stream(stub, source, identity, layer, offset, part, digest, bar)
+            expected = self._stream(stub, source, identity, layer, offset, part, digest, bar, pace)
             if part.stat().st_size != size:
                 raise FetchError(
                     f"layer {layer} from {source}: got {part.stat().st_size} of {size} bytes"
@@ -151,13 +163,12 @@ class LayerFetcher:
         raise FetchError(f"layer {layer} from {source} failed its checksum twice",
                          grpc.StatusCode.DATA_LOSS)  # fmt: skip
 
-    def _stream(self, stub, source, identity, layer, offset, part: Path, digest, bar) -> str:
+    def _stream(self, stub, source, identity, layer, offset, part: Path, digest, bar, pace) -> str:
         request = pb.FetchLayerRequest(layer=layer, offset=offset, node_id=self.node_id)
         chunks = self._call(source, identity, "FetchLayer", stub.FetchLayer, request)
         expected = ""
         if offset:
             log.info("resuming layer %d at byte %d of its file", layer, offset)
-        pace = _Pace(self.max_bytes_per_s)
         try:
             with _PartWriter(part, digest) as out:
                 for chunk in chunks:
@@ -222,17 +233,20 @@ class _PartWriter:
 
 
 class _Pace:
-    """Sleeps so that the bytes taken stay under a rate (None: no limit)."""
+    """Sleeps so that the bytes taken (by every stream) stay under a rate (None: no limit)."""
 
     def __init__(self, bytes_per_s: float | None) -> None:
         self.rate = bytes_per_s
         self.started = time.monotonic()
         self.taken = 0
+        self._lock = threading.Lock()
 
     def wait(self, nbytes: int) -> None:
         if not self.rate:
             return
-        self.taken += nbytes
-        ahead = self.taken / self.rate - (time.monotonic() - self.started)
+        with self._lock:
+            self.taken += nbytes
+            taken = self.taken
+        ahead = taken / self.rate - (time.monotonic() - self.started)
         if ahead > 0:
             time.sleep(ahead)
