@@ -10,7 +10,12 @@ import pytest
 
 from common.generation_params import GenerationParams
 from common.tls import load_tls
-from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from tests.cluster_harness import (
+    cluster_name,
+    start_coordinator,
+    start_fetching_worker,
+    start_worker,
+)
 from wedlm_client.client import ClusterError, WedlmClient
 
 
@@ -92,6 +97,29 @@ def test_tls_cluster_end_to_end(checkpoint_dir, pki):
         assert code == 1 and "no usable worker" in output
     finally:
         for p in procs:
+            p.stop()
+
+
+def test_a_worker_fetches_its_layers_over_tls(checkpoint_dir, pki, tmp_path):
+    """The fetch dials the coordinator with the worker's certificate (the coordinator, given
+    a CA, accepts only clients that CA signed) and checks the coordinator's against it."""
+    model = checkpoint_dir("qwen3", seed=71, num_hidden_layers=2)
+    name = cluster_name()
+    tls = ["--tls-cert", str(pki / "node.pem"), "--tls-key", str(pki / "node.key"),
+           "--tls-ca", str(pki / "ca.pem")]  # fmt: skip
+    worker, waddr = start_fetching_worker(name, tmp_path / "cache", *tls)
+    coord, address = start_coordinator(
+        model, name, "--no-bonjour", "--no-local-layers", "--worker", waddr, *tls
+    )
+    try:
+        coord.expect("serving")
+        client_tls = load_tls(pki / "node.pem", pki / "node.key", pki / "ca.pem")
+        with WedlmClient(address, timeout=60, tls=client_tls) as client:
+            out = client.generate(text="secure", params=GenerationParams(mode="ar", max_tokens=6))
+        assert len(out["tokens"]) >= 1
+        assert list((tmp_path / "cache").glob("*/model-layer-*.safetensors"))
+    finally:
+        for p in (worker, coord):
             p.stop()
 
 
