@@ -257,6 +257,7 @@ def test_a_replan_after_a_loss_fetches_the_layers_that_moved(model, tmp_path):
         procs[-1].expect("serving")
         ranges = serving_ranges(address)
         victim = workers.index(max(ranges, key=lambda a: ranges[a][0]))  # the last stage
+        held = {n: p.stat().st_mtime_ns for n, p in cached_files(caches[1 - victim], model).items()}
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
         for t in threads:
             t.start()
@@ -274,6 +275,9 @@ def test_a_replan_after_a_loss_fetches_the_layers_that_moved(model, tmp_path):
     assert after == {workers[1 - victim]: (2, 5)}
     survivor = caches[1 - victim]
     assert layer_names(survivor, model) == {layer_file_name(i) for i in range(2, 6)}
+    now = {n: p.stat().st_mtime_ns for n, p in cached_files(survivor, model).items()}
+    kept = {n for n in held if n.startswith("model-layer-")}
+    assert kept and all(now[n] == held[n] for n in kept)  # only the missing ones were fetched
 
 
 def test_a_fetching_worker_follows_a_coordinator_that_changes_model(
@@ -398,7 +402,7 @@ def test_a_coordinator_serves_a_model_from_the_hub_cache_to_a_worker_that_joins_
         deadline = time.monotonic() + 60
         while not serving_ranges(coord_address) and time.monotonic() < deadline:
             time.sleep(0.2)
-        (start, end), = serving_ranges(coord_address).values()
+        ((start, end),) = serving_ranges(coord_address).values()
         assert end == 5 and layer_names(tmp_path / "w", model) == {
             layer_file_name(i) for i in range(start, 6)
         }
