@@ -113,22 +113,28 @@ class LayerFetcher:
         partial = {i: self._part_size(identity, i, sizes[i]) for i in todo}
         need = sum(sizes[i] - partial[i] for i in todo)
         cache.make_room(identity, layers, sum(sizes.values()), need)
-        announce = pb.LayerManifestRequest(node_id=self.node_id, fetch_bytes=need)
-        self._call(source, identity, "LayerManifest", stub.LayerManifest, announce, timeout=30)
         log.info("fetching layers %s from %s: %.1f MB", layers, source, need / 1e6)
         pace = _Pace(self.max_bytes_per_s)  # one budget for all streams
         with (
             _progress_bar(need, f"layers {layers}") as bar,
+            _Progress(bar, need, lambda r: self._report(stub, source, identity, need, r)) as got,
             ThreadPoolExecutor(STREAMS, thread_name_prefix="fetch") as pool,
         ):
             fetches = [
-                pool.submit(self._fetch_layer, stub, source, identity, i, sizes[i], bar, pace)
+                pool.submit(self._fetch_layer, stub, source, identity, i, sizes[i], got, pace)
                 for i in todo
             ]
             for done in fetches:
                 done.result()  # the first failure is raised (the others finish or fail too)
         cache.touch(identity)
         return config
+
+    def _report(self, stub, source: str, identity: str, total: int, received: int) -> None:
+        """Tell the coordinator how far the fetch is (its `wedlm status` shows it)."""
+        report = pb.LayerManifestRequest(
+            node_id=self.node_id, fetch_bytes=total, received_bytes=received
+        )
+        self._call(source, identity, "LayerManifest", stub.LayerManifest, report, timeout=10)
 
     def _part_size(self, identity: str, layer: int, size: int) -> int:
         part = self.cache.part_path(identity, layer)
@@ -140,14 +146,14 @@ class LayerFetcher:
             return 0
         return have
 
-    def _fetch_layer(self, stub, source, identity, layer: int, size: int, bar, pace) -> None:
+    def _fetch_layer(self, stub, source, identity, layer: int, size: int, got, pace) -> None:
         part = self.cache.part_path(identity, layer)
         for attempt in range(2):  # a resumed file that fails its checksum is fetched whole
             offset = part.stat().st_size if part.exists() else 0
             digest = hashlib.sha256()
             if offset:
                 sha256_file(part, digest)  # the bytes already here count toward the checksum
-            expected = self._stream(stub, source, identity, layer, offset, part, digest, bar, pace)
+            expected = self._stream(stub, source, identity, layer, offset, part, digest, got, pace)
             if part.stat().st_size != size:
                 raise FetchError(
                     f"layer {layer} from {source}: got {part.stat().st_size} of {size} bytes"
@@ -163,7 +169,7 @@ class LayerFetcher:
         raise FetchError(f"layer {layer} from {source} failed its checksum twice",
                          grpc.StatusCode.DATA_LOSS)  # fmt: skip
 
-    def _stream(self, stub, source, identity, layer, offset, part: Path, digest, bar, pace) -> str:
+    def _stream(self, stub, source, identity, layer, offset, part: Path, digest, got, pace) -> str:
         request = pb.FetchLayerRequest(layer=layer, offset=offset, node_id=self.node_id)
         chunks = self._call(source, identity, "FetchLayer", stub.FetchLayer, request)
         expected = ""
@@ -182,7 +188,7 @@ class LayerFetcher:
                     data = chunk.data  # (each read of the field copies it)
                     out.put(data)
                     offset += len(data)
-                    bar.update(len(data))
+                    got.add(len(data))
                     pace.wait(len(data))
         except grpc.RpcError as e:
             raise FetchError(
@@ -230,6 +236,44 @@ class _PartWriter:
         self._out.close()
         if self._error is not None and exc[0] is None:
             raise self._error
+
+
+class _Progress:
+    """Bytes received by every stream: drawn on the progress bar, and reported to the
+    coordinator when the fetch starts, about every `period_s` and when it ends."""
+
+    def __init__(self, bar, total: int, report, period_s: float = 1.0) -> None:
+        self.bar, self.total, self._report = bar, total, report
+        self.received = 0
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._send(0)
+        self._thread = threading.Thread(target=self._run, args=(period_s,), daemon=True)
+        self._thread.start()
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.received += nbytes
+            self.bar.update(nbytes)
+
+    def _run(self, period_s: float) -> None:
+        while not self._done.wait(period_s):
+            self._send(self.received)
+
+    def _send(self, received: int) -> None:
+        try:
+            self._report(received)
+        except FetchError as e:  # the fetch itself reports a lost coordinator
+            log.debug("progress report failed: %s", e)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        # the end: all of it, or (after a failure) what arrived, for the status to age out
+        self._send(self.total if exc[0] is None else self.received)
 
 
 class _Pace:

@@ -175,10 +175,28 @@ def test_fetching_workers_serve_reuse_their_cache_and_refetch_a_corrupted_file(
 
 @pytest.fixture(scope="module")
 def wide_model(checkpoint_dir):
-    """Layers of ~4 MB, so that a paced fetch takes seconds and can be interrupted."""
+    """Layers of ~16 MB, so that a paced fetch takes seconds and can be interrupted, and
+    is much longer than what gRPC's flow control lets the coordinator send ahead (its
+    progress counts bytes handed to gRPC)."""
     return checkpoint_dir(
-        "qwen3", seed=72, num_hidden_layers=2, hidden_size=256, intermediate_size=1024
+        "qwen3", seed=72, num_hidden_layers=2, hidden_size=512, intermediate_size=2048
     )
+
+
+def _reported_fetch(address: str) -> dict | None:
+    with WedlmClient(address, timeout=30) as client:
+        st = client.status_dict()
+    fetches = st.get("fetches", [])
+    return st if fetches and int(fetches[0].get("bytes_done", 0)) > 0 else None
+
+
+def wait_until(condition, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_a_killed_fetch_resumes_and_ends_with_the_same_checksums(wide_model, tmp_path):
@@ -186,8 +204,8 @@ def test_a_killed_fetch_resumes_and_ends_with_the_same_checksums(wide_model, tmp
     name = cluster_name()
     flags = ("--port", str(port), "--log-level", "INFO")
     worker, address = start_fetching_worker(
-        name, cache, *flags, "--fetch-limit-mbps", "16", env=SECRET_ENV
-    )  # 2 MB/s: a few seconds for the range
+        name, cache, *flags, "--fetch-limit-mbps", "64", env=SECRET_ENV
+    )  # 8 MB/s: a few seconds for the range
     coord, coord_address = start_coordinator(
         wide_model, name, "--no-bonjour", "--no-local-layers", "--secret", SECRET,
         "--worker", address, "--metrics-port", "0",
@@ -204,9 +222,9 @@ def test_a_killed_fetch_resumes_and_ends_with_the_same_checksums(wide_model, tmp
             time.sleep(0.05)
         else:
             raise AssertionError("the fetch never started")
-        # progress is visible in the status and the metrics while it runs
-        with WedlmClient(coord_address, timeout=30) as client:
-            st = client.status_dict()
+        # progress is visible in the status (as the worker reports it, about every
+        # second) and the metrics while it runs
+        st = wait_until(lambda: _reported_fetch(coord_address), what="a progress report")
         (fetch,) = st["fetches"]
         assert fetch["node_id"] and 0 < int(fetch["bytes_done"]) < int(fetch["bytes_total"])
         assert "fetching layers: " in format_status(st)

@@ -178,16 +178,18 @@ class WorkerInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ..., fetches_layers: _Optional[bool] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
 
 class LayerManifestRequest(_message.Message):
-    __slots__ = ("layers", "with_sha256", "node_id", "fetch_bytes")
+    __slots__ = ("layers", "with_sha256", "node_id", "fetch_bytes", "received_bytes")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     WITH_SHA256_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     FETCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     layers: _containers.RepeatedScalarFieldContainer[int]
     with_sha256: _containers.RepeatedScalarFieldContainer[int]
     node_id: str
     fetch_bytes: int
-    def __init__(self, layers: _Optional[_Iterable[int]] = ..., with_sha256: _Optional[_Iterable[int]] = ..., node_id: _Optional[str] = ..., fetch_bytes: _Optional[int] = ...) -> None: ...
+    received_bytes: int
+    def __init__(self, layers: _Optional[_Iterable[int]] = ..., with_sha256: _Optional[_Iterable[int]] = ..., node_id: _Optional[str] = ..., fetch_bytes: _Optional[int] = ..., received_bytes: _Optional[int] = ...) -> None: ...
 
 class LayerFile(_message.Message):
     __slots__ = ("layer", "name", "size", "sha256")

@@ -1,6 +1,6 @@
-"""What every worker is fetching from this coordinator: bytes sent against the bytes it
-announced, its rate and time left. Read by `wedlm status` and the metrics; written by the
-ModelSource handlers (gRPC threads)."""
+"""What every worker is fetching from this coordinator: the bytes it reports received
+against the bytes it announced, its rate and time left. Read by `wedlm status` and the
+metrics; written by the ModelSource handlers (gRPC threads)."""
 
 from __future__ import annotations
 
@@ -29,25 +29,23 @@ class FetchProgress:
         self._lock = threading.Lock()
         self._metrics = metrics
 
-    def begin(self, node_id: str, peer: str, total: int) -> None:
-        """A worker announced `total` bytes it is about to fetch."""
+    def report(self, node_id: str, peer: str, total: int, received: int) -> None:
+        """A worker's report: `received` of the `total` bytes it fetches (the truth; the
+        bytes this side sent run ahead by what gRPC's flow control lets it buffer)."""
+        key = node_id or peer
         with self._lock:
-            self._fetches[node_id or peer] = _Fetch(node_id, peer, total)
+            fetch = self._fetches.get(key)
+            if fetch is None or received < fetch.done:  # a new fetch
+                fetch = self._fetches[key] = _Fetch(node_id, peer, total)
+            fetch.total, fetch.done = total, min(received, total)
+            fetch.touched = time.monotonic()
+            if fetch.done >= fetch.total:
+                del self._fetches[key]
         self._export()
 
-    def sent(self, node_id: str, peer: str, nbytes: int) -> None:
-        with self._lock:
-            fetch = self._fetches.get(node_id or peer)
-            if fetch is None:  # a worker that announced nothing: count it anyway
-                fetch = self._fetches[node_id or peer] = _Fetch(node_id, peer, 0)
-            fetch.done += nbytes
-            fetch.total = max(fetch.total, fetch.done)
-            fetch.touched = time.monotonic()
-            if fetch.done >= fetch.total > 0:
-                del self._fetches[node_id or peer]
+    def sent(self, nbytes: int) -> None:
         if self._metrics is not None:
             self._metrics.fetch_bytes.inc(nbytes)
-        self._export()
 
     def snapshot(self) -> list[pb.LayerFetch]:
         now = time.monotonic()

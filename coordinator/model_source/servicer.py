@@ -54,11 +54,14 @@ class ModelSourceServicer(pb_grpc.ModelSourceServicer):
             sha = self.files.sha256(layer) if layer in want_sha else ""
             reply.files.add(layer=layer, name=lf.name, size=lf.size, sha256=sha)
         if request.fetch_bytes:
-            self.progress.begin(request.node_id, context.peer(), request.fetch_bytes)
-            log.info(
-                "%s (%s) fetches %.1f MB of layers",
-                request.node_id or "a worker", context.peer(), request.fetch_bytes / 1e6,
-            )  # fmt: skip
+            self.progress.report(
+                request.node_id, context.peer(), request.fetch_bytes, request.received_bytes
+            )
+            if not request.received_bytes:
+                log.info(
+                    "%s (%s) fetches %.1f MB of layers",
+                    request.node_id or "a worker", context.peer(), request.fetch_bytes / 1e6,
+                )  # fmt: skip
         return reply
 
     def FetchLayer(self, request: pb.FetchLayerRequest, context):
@@ -74,11 +77,10 @@ class ModelSourceServicer(pb_grpc.ModelSourceServicer):
         if known is None and request.offset > 0:
             known = self.files.sha256(request.layer)  # a resumed fetch: hash the whole file
         digest = hashlib.sha256() if known is None else None
-        peer = context.peer()
         for offset, data in self.files.chunks(request.layer, request.offset):
             if digest is not None:
                 digest.update(data)
-            self.progress.sent(request.node_id, peer, len(data))
+            self.progress.sent(len(data))
             yield with_bytes(pb.LayerChunk(offset=offset), "data", data)  # passed as is
         if digest is not None:
             known = digest.hexdigest()
