@@ -137,10 +137,6 @@ class LayerCache:
     def total_bytes(self) -> int:
         return folder_bytes(self.root) if self.root.is_dir() else 0
 
-    def model_bytes(self, identity: str) -> int:
-        folder = self.model_dir(identity)
-        return folder_bytes(folder) if folder.is_dir() else 0
-
     def make_room(self, identity: str, keep: LayerRange, range_bytes: int, need: int) -> None:
         """Free space for `need` more bytes of layers `keep` (whose files take `range_bytes`
         once complete), or raise CacheFull saying what is missing."""

@@ -139,6 +139,40 @@ def start_coordinator(
     return proc, m.group(1)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(condition, timeout: float = 60.0, what: str = "condition", period: float = 0.2):
+    """The first truthy value of condition(), polled until `timeout` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(period)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def engine_outputs(model: Path, jobs) -> list[list[int]]:
+    """Greedy reference: each (text, params) job run alone by the single-process engine."""
+    from coordinator.engine.local_engine import open_local_engine
+
+    local = open_local_engine(model)
+    out = []
+    for text, params in jobs:
+        seq = local.engine.submit(local.tokenizer.encode(text), params)
+        for _ in local.engine.stream([seq]):
+            pass
+        out.append(seq.output)
+    return out
+
+
 def cluster_name() -> str:
     return f"test-{secrets.token_hex(4)}"
 

@@ -14,8 +14,7 @@ import pytest
 
 from common.generation_params import GenerationParams
 from common.proto_gen import wedlm_pb2 as pb
-from coordinator.engine.local_engine import open_local_engine
-from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from tests.cluster_harness import cluster_name, engine_outputs, start_coordinator, start_worker
 from wedlm_client.client import ClusterError, WedlmClient
 
 PROMPTS = ["the cat sat on the mat", "count 1 2 3"]
@@ -27,15 +26,7 @@ SETTINGS = [
 
 
 def local_outputs(model, prompts=PROMPTS, settings=SETTINGS) -> list[list[int]]:
-    local = open_local_engine(model)
-    out = []
-    for text in prompts:
-        for params in settings:
-            seq = local.engine.submit(local.tokenizer.encode(text), params)
-            for _ in local.engine.stream([seq]):
-                pass
-            out.append(seq.output)
-    return out
+    return engine_outputs(model, [(t, p) for t in prompts for p in settings])
 
 
 def cluster_outputs(address, prompts=PROMPTS, settings=SETTINGS) -> list[list[int]]:

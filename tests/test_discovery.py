@@ -28,6 +28,7 @@ from coordinator.cluster.discovery import (
     probe_worker,
     shortfall,
 )
+from tests.cluster_harness import free_port
 
 RUN = uuid.uuid4().hex[:8]  # other test runs may share this loopback: keep our names apart
 CLUSTER = f"test-{RUN}"
@@ -209,10 +210,6 @@ def test_probe_refused_by_the_worker(worker_address: str):
         probe_worker(worker_address, "s3cret", "model-B", timeout_s=5)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_probe_dead_address_fails_within_timeout():

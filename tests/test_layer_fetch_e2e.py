@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -27,13 +26,15 @@ from common.generation_params import GenerationParams
 from common.model_config import load_model_config
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
-from coordinator.engine.local_engine import open_local_engine
 from coordinator.model_source.layer_files import LayerFiles
 from tests.cluster_harness import (
     cluster_name,
+    engine_outputs,
+    free_port,
     spawn,
     start_coordinator,
     start_fetching_worker,
+    wait_until,
 )
 from wedlm_client.client import WedlmClient
 from wedlm_client.status_view import format_status
@@ -53,18 +54,7 @@ def model(checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def expected(model):
-    return local_outputs(model, JOBS)
-
-
-def local_outputs(model, jobs) -> list[list[int]]:
-    local = open_local_engine(model)
-    out = []
-    for text, params in jobs:
-        seq = local.engine.submit(local.tokenizer.encode(text), params)
-        for _ in local.engine.stream([seq]):
-            pass
-        out.append(seq.output)
-    return out
+    return engine_outputs(model, JOBS)
 
 
 def generate_all(address: str, jobs=JOBS) -> list[list[int]]:
@@ -91,10 +81,6 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop_all(procs) -> None:
@@ -190,13 +176,6 @@ def _reported_fetch(address: str) -> dict | None:
     return st if fetches and int(fetches[0].get("bytes_done", 0)) > 0 else None
 
 
-def wait_until(condition, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_a_killed_fetch_resumes_and_ends_with_the_same_checksums(wide_model, tmp_path):
@@ -224,7 +203,7 @@ def test_a_killed_fetch_resumes_and_ends_with_the_same_checksums(wide_model, tmp
             raise AssertionError("the fetch never started")
         # progress is visible in the status (as the worker reports it, about every
         # second) and the metrics while it runs
-        st = wait_until(lambda: _reported_fetch(coord_address), what="a progress report")
+        st = wait_until(lambda: _reported_fetch(coord_address), 30, "a progress report", 0.1)
         (fetch,) = st["fetches"]
         assert fetch["node_id"] and 0 < int(fetch["bytes_done"]) < int(fetch["bytes_total"])
         assert "fetching layers: " in format_status(st)
@@ -241,7 +220,7 @@ def test_a_killed_fetch_resumes_and_ends_with_the_same_checksums(wide_model, tmp
         procs[0] = worker
         coord.expect("serving")
         jobs = [("resume", GenerationParams(mode="ar", max_tokens=8))]
-        assert generate_all(coord_address, jobs) == local_outputs(wide_model, jobs)
+        assert generate_all(coord_address, jobs) == engine_outputs(wide_model, jobs)
     finally:
         stop_all(procs)
     assert "resuming layer" in "".join(worker.log)
@@ -256,7 +235,7 @@ def test_a_replan_after_a_loss_fetches_the_layers_that_moved(model, tmp_path):
                                                   threshold=1.0, max_tokens=120))
         for i, w in enumerate("abcd")
     ]  # fmt: skip
-    want = local_outputs(model, jobs)
+    want = engine_outputs(model, jobs)
     caches = [tmp_path / "w1", tmp_path / "w2"]
     procs, address, workers = start_cluster(model, caches, "--layers", "0-1")
     results: dict[int, list[int]] = {}
@@ -315,7 +294,7 @@ def test_a_fetching_worker_follows_a_coordinator_that_changes_model(
             coord.expect("serving")
             got = generate_all(coord_address, jobs)
             coord.stop()
-            assert got == (want or local_outputs(served, jobs))
+            assert got == (want or engine_outputs(served, jobs))
             # without a cap, only the model in use stays in the cache
             assert [p.name for p in cache.iterdir()] == [load_model_config(served).identity]
     finally:

@@ -8,7 +8,6 @@ import contextlib
 import itertools
 import os
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -17,7 +16,14 @@ import pytest
 
 from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
-from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from tests.cluster_harness import (
+    cluster_name,
+    engine_outputs,
+    free_port,
+    start_coordinator,
+    start_worker,
+    wait_until,
+)
 from wedlm_client.client import WedlmClient
 
 PROMPTS = ["the cat sat on the mat", "count 1 2 3", "a b a b a"]
@@ -30,14 +36,7 @@ JOBS = [(text, params) for text in PROMPTS for params in SETTINGS]
 
 
 def local_outputs(model) -> list[list[int]]:
-    local = open_local_engine(model)
-    out = []
-    for text, params in JOBS:
-        seq = local.engine.submit(local.tokenizer.encode(text), params)
-        for _ in local.engine.stream([seq]):
-            pass
-        out.append(seq.output)
-    return out
+    return engine_outputs(model, JOBS)
 
 
 def concurrent_outputs(address: str) -> list[list[int]]:
@@ -62,20 +61,8 @@ def status(address: str):
         return client.cluster_status()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def wait_until(condition, timeout: float = 60.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -50,17 +50,16 @@ def pki(tmp_path_factory):
     return d
 
 
+def tls_flags(pki, stem: str = "node") -> list[str]:
+    """The TLS flags of a process with certificate `stem` and the cluster CA."""
+    return ["--tls-cert", str(pki / f"{stem}.pem"), "--tls-key", str(pki / f"{stem}.key"),
+            "--tls-ca", str(pki / "ca.pem")]  # fmt: skip
+
+
 def test_tls_cluster_end_to_end(checkpoint_dir, pki):
     model = checkpoint_dir("qwen3", seed=71, num_hidden_layers=2)
     name = cluster_name()
-    tls = [
-        "--tls-cert",
-        str(pki / "node.pem"),
-        "--tls-key",
-        str(pki / "node.key"),
-        "--tls-ca",
-        str(pki / "ca.pem"),
-    ]
+    tls = tls_flags(pki)
     worker, waddr = start_worker(model, name, "--no-bonjour", *tls)
     coord, address = start_coordinator(model, name, "--no-bonjour", "--worker", waddr, *tls)
     procs = [worker, coord]
@@ -73,14 +72,7 @@ def test_tls_cluster_end_to_end(checkpoint_dir, pki):
         with WedlmClient(address, timeout=10) as plain, pytest.raises(ClusterError):
             plain.model_info()  # plaintext to a TLS port fails
         # A coordinator whose client certificate the CA did not sign is refused by the worker.
-        bad = [
-            "--tls-cert",
-            str(pki / "other.pem"),
-            "--tls-key",
-            str(pki / "other.key"),
-            "--tls-ca",
-            str(pki / "ca.pem"),
-        ]
+        bad = tls_flags(pki, "other")
         intruder, _ = start_coordinator(
             model,
             name,
@@ -105,8 +97,7 @@ def test_a_worker_fetches_its_layers_over_tls(checkpoint_dir, pki, tmp_path):
     a CA, accepts only clients that CA signed) and checks the coordinator's against it."""
     model = checkpoint_dir("qwen3", seed=71, num_hidden_layers=2)
     name = cluster_name()
-    tls = ["--tls-cert", str(pki / "node.pem"), "--tls-key", str(pki / "node.key"),
-           "--tls-ca", str(pki / "ca.pem")]  # fmt: skip
+    tls = tls_flags(pki)
     worker, waddr = start_fetching_worker(name, tmp_path / "cache", *tls)
     coord, address = start_coordinator(
         model, name, "--no-bonjour", "--no-local-layers", "--worker", waddr, *tls
