@@ -7,8 +7,14 @@ from dataclasses import dataclass, field
 
 from common.errors import InvalidRequest
 
-MODES = ("wedlm", "ar")
+MODES = ("wedlm", "ar", "speculative")
+# Where speculative mode's drafts come from: the model's own mask-slot predictions of the
+# previous forward (WeDLM-trained models), n-gram matches in the prompt and output so far,
+# or a small draft model on the coordinator. "auto" picks the draft model when one is
+# loaded, else mask slots on a WeDLM checkpoint, else prompt lookup.
+DRAFT_SOURCES = ("auto", "mask", "lookup", "model")
 MAX_WINDOW = 64
+MAX_FORWARD_ROWS = 3 * MAX_WINDOW  # the widest decode forward of one sequence (forward_rows)
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,7 @@ class GenerationParams:
     stop_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     seed: int = 0
+    draft: str = "auto"  # speculative mode's draft source (DRAFT_SOURCES)
     extra_stop_ids: tuple[int, ...] = field(default=(), compare=False)  # model's EOS ids
 
     def __post_init__(self) -> None:
@@ -35,6 +42,12 @@ class GenerationParams:
 
         if self.mode not in MODES:
             raise bad(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.draft not in DRAFT_SOURCES:
+            raise bad(f"draft must be one of {', '.join(DRAFT_SOURCES)}, got {self.draft!r}")
+        if self.draft != "auto" and self.mode != "speculative":
+            raise bad(
+                f"draft {self.draft!r} applies to mode speculative only (mode is {self.mode!r})"
+            )
         if not 1 <= self.window <= MAX_WINDOW:
             raise bad(f"window must be between 1 and {MAX_WINDOW}, got {self.window}")
         if self.threshold is not None and not (
@@ -57,6 +70,13 @@ class GenerationParams:
             raise bad("stop strings must not be empty")
         if not 0 <= self.seed < 2**32:
             raise bad(f"seed must be in [0, 2^32), got {self.seed}")
+
+    @property
+    def forward_rows(self) -> int:
+        """The most rows one forward of this request writes past its committed KV: AR feeds
+        its last token; WeDLM a window of W plus the p slots it commits; speculative mode
+        up to W pending committed tokens, W - 1 drafts and W mask slots."""
+        return {"ar": 1, "wedlm": 2 * self.window, "speculative": 3 * self.window}[self.mode]
 
     @property
     def all_stop_ids(self) -> frozenset[int]:

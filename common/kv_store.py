@@ -26,6 +26,14 @@ class KVStore:
         batch = self._where.get(seq_id)
         return 0 if batch is None else int(batch.lengths[batch.seq_ids.index(seq_id)])
 
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Forget a sequence's rows past `length` (they become stale: the next forward
+        overwrites them). Only for a process's own speculative rows, never a worker's."""
+        batch = self._where.get(seq_id)
+        if batch is not None:
+            row = batch.seq_ids.index(seq_id)
+            batch.lengths[row] = min(int(batch.lengths[row]), length)
+
     def rows_for(self, seq_ids: list[int]) -> KVRows:
         first = self._where.get(seq_ids[0]) if seq_ids else None
         if first is not None and first.seq_ids == list(seq_ids):

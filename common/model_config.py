@@ -45,6 +45,12 @@ class ModelConfig:
         blob = json.dumps({k: self.raw[k] for k in keys}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+    @property
+    def wedlm_trained(self) -> bool:
+        """A WeDLM checkpoint, or one whose config names its mask token (an adapted model):
+        its mask slots predict their own positions, so they make useful drafts."""
+        return self.model_type == "wedlm" or self.raw.get("mask_token_id") is not None
+
     def mlx_args(self) -> dict[str, Any]:
         """The config as mlx-lm's ModelArgs expects it."""
         args = dict(self.raw)

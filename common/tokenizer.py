@@ -31,6 +31,10 @@ class Tokenizer:
         # Special tokens (EOS, chat markers) stay in token lists but not in displayed text.
         self.special_ids = frozenset(self._hf.all_special_ids)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Token string → id, special tokens included."""
+        return self._hf.get_vocab()
+
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._hf, "chat_template", None))

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence as Seq
 
 from common.errors import WedlmError
-from common.generation_params import MAX_WINDOW, GenerationParams
+from common.generation_params import DRAFT_SOURCES, MAX_WINDOW, MODES, GenerationParams
 
 
 def _id_list(text: str) -> tuple[int, ...]:
@@ -57,7 +57,21 @@ def add_generation_flags(p: argparse.ArgumentParser, prompt_required: bool = Tru
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_id_list, help="prompt token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--mode", choices=("wedlm", "ar"), default="wedlm")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="wedlm",
+        help="wedlm: parallel decoding; ar: one token per forward; speculative: drafts "
+        "verified by the model (exactly AR's output, several tokens per forward when they hold)",
+    )
+    p.add_argument(
+        "--draft",
+        choices=DRAFT_SOURCES,
+        default="auto",
+        help="speculative drafts: mask (the model's mask-slot predictions, WeDLM-trained "
+        "models), lookup (n-grams of the prompt and output), model (the coordinator's "
+        "--draft-model); auto picks in that order of preference: model, mask, lookup",
+    )
     p.add_argument("--window", type=_bounded(int, 1, MAX_WINDOW), default=16)
     p.add_argument("--threshold", type=_threshold, default=0.4, help="entropy threshold or none")
     p.add_argument("--penalty", type=_bounded(float, 0.0), default=0.02)
@@ -84,6 +98,7 @@ def params_from_args(args: argparse.Namespace) -> GenerationParams:
         stop_ids=tuple(args.stop_ids),
         stop_strings=tuple(args.stop),
         seed=args.seed,
+        draft=args.draft,
     )
 
 
@@ -95,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--model", help="run locally on a model folder, or 'default'")
     where.add_argument("--cluster", metavar="HOST:PORT", help="run on a cluster's coordinator")
     add_generation_flags(gen)
+    gen.add_argument(
+        "--draft-model",
+        help="with --model: a small model with the same tokenizer drafting for --mode speculative",
+    )
     add_tls_flags(gen)
     submit = sub.add_parser("submit", help="queue a job on a cluster and print its id")
     submit.add_argument("--cluster", metavar="HOST:PORT", required=True)
@@ -148,6 +167,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.cluster:
         from wedlm_client.cluster_generate import generate_on_cluster
 
+        if args.draft_model:
+            raise WedlmError("--draft-model is for --model (a cluster's coordinator loads its own)")
         with open_client(args) as client:
             result = generate_on_cluster(client, args, params, stream)
     else:

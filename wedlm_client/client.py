@@ -47,6 +47,8 @@ def final_dict(final: pb.Final) -> dict[str, Any]:
         "prefill_s": stats.prefill_s,
         "decode_s": stats.decode_s,
         "decode_tokens_per_s": (len(final.tokens) / stats.decode_s) if stats.decode_s else None,
+        "drafted_tokens": stats.drafted_tokens,
+        "accepted_drafts": stats.accepted_drafts,
     }
     if final.error:
         record["error"] = final.error

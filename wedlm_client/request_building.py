@@ -27,6 +27,7 @@ def request_from_params(
         stop=list(params.stop_strings),
         seed=params.seed,
         deadline_s=deadline_s,
+        draft=params.draft,
     )
     if params.threshold is None:
         req.one_by_one = True

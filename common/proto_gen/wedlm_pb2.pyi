@@ -242,7 +242,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "mode", "window", "threshold", "one_by_one", "penalty", "temperature", "top_p", "top_k", "max_tokens", "stop_ids", "stop", "seed", "deadline_s")
+    __slots__ = ("text", "token_ids", "chat", "mode", "window", "threshold", "one_by_one", "penalty", "temperature", "top_p", "top_k", "max_tokens", "stop_ids", "stop", "seed", "deadline_s", "draft")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class GenerateRequest(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: bool
@@ -275,10 +276,11 @@ class GenerateRequest(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     seed: int
     deadline_s: float
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., window: _Optional[int] = ..., threshold: _Optional[float] = ..., one_by_one: _Optional[bool] = ..., penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    draft: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., window: _Optional[int] = ..., threshold: _Optional[float] = ..., one_by_one: _Optional[bool] = ..., penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., deadline_s: _Optional[float] = ..., draft: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "forwards", "tokens_per_forward", "prefill_s", "decode_s", "queue_s")
+    __slots__ = ("prompt_tokens", "completion_tokens", "forwards", "tokens_per_forward", "prefill_s", "decode_s", "queue_s", "drafted_tokens", "accepted_drafts")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +288,8 @@ class GenerationStats(_message.Message):
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     forwards: int
@@ -293,7 +297,9 @@ class GenerationStats(_message.Message):
     prefill_s: float
     decode_s: float
     queue_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_per_forward: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    drafted_tokens: int
+    accepted_drafts: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_per_forward: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "tokens", "text", "stats", "error")

@@ -15,11 +15,11 @@ import mlx.core as mx
 import numpy as np
 
 from common.errors import InvalidRequest
-from common.generation_params import MAX_WINDOW, GenerationParams
+from common.generation_params import MAX_FORWARD_ROWS, GenerationParams
 from common.model_parts import ModelParts
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, row_bucket
 from coordinator.engine.pipeline import Pipeline
-from coordinator.engine.row_plan import RowPlan
+from coordinator.engine.row_plan import RowPlan, plan_speculative
 from coordinator.engine.sampling import greedy_tokens, sample_tokens
 from coordinator.engine.scheduler import Commit, Limits, Scheduler
 from coordinator.engine.selection import entropy, select_fills
@@ -68,6 +68,7 @@ class Engine:
         self.forwards = 0
         self.shapes = ForwardShapes()  # distinct forward shapes launched (bounded: shape_limits)
         self.undelivered: list[Commit] = []  # commits of a step that then failed
+        self.drafter = None  # a DraftModel proposing speculative drafts (use_drafter)
 
     def use_pipeline(self, pipeline: Pipeline, micro_batches: int) -> None:
         """Switch to another pipeline (e.g. once the workers are planned). Call while idle."""
@@ -89,11 +90,21 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------
     def submit(self, prompt: list[int], params: GenerationParams) -> Sequence:
+        params = self.resolve_drafts(params)
         self.validate_prompt(prompt, params)
         params = replace(params, extra_stop_ids=self.model_stop_ids)
         seq = Sequence(next(self._ids), list(prompt), params, text_tail=self.text_tail)
         self.scheduler.add(seq)
         return seq
+
+    def resolve_drafts(self, params: GenerationParams) -> GenerationParams:
+        """Speculative mode's draft source: "auto" becomes the draft model when one is
+        loaded, else mask slots on a WeDLM-trained checkpoint, else prompt lookup."""
+        if params.mode != "speculative" or params.draft != "auto":
+            return params
+        if self.drafter is not None:
+            return replace(params, draft="model")
+        return replace(params, draft="mask" if self.config.wedlm_trained else "lookup")
 
     def validate_prompt(self, prompt: list[int], params: GenerationParams) -> None:
         if not prompt:
@@ -102,13 +113,19 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
-        if params.mode == "wedlm" and not 0 <= self.config.mask_token_id < vocab:
+        masks = params.mode == "wedlm" or params.draft == "mask"
+        if masks and not 0 <= self.config.mask_token_id < vocab:
+            what = "WeDLM mode" if params.mode == "wedlm" else "mask-slot drafts"
             raise InvalidRequest(
-                f"WeDLM mode needs a mask token, but mask_token_id "
+                f"{what} need a mask token, but mask_token_id "
                 f"{self.config.mask_token_id} is outside this model's vocabulary of {vocab} "
                 f"(set mask_token_id in config.json, or use --mode ar)"
             )
-        room = 2 * params.window if params.mode == "wedlm" else 1
+        if params.draft == "model" and self.drafter is None:
+            raise InvalidRequest(
+                "draft 'model' needs a draft model: start the coordinator with --draft-model"
+            )
+        room = params.forward_rows
         limit = self.config.max_position_embeddings
         if len(prompt) + room > limit:
             raise InvalidRequest(
@@ -144,16 +161,41 @@ class Engine:
         done = self.scheduler.reap({p.seq.seq_id for f in self.in_flight for p in f.plans})
         if done:  # their ids are never used again: the workers may drop them at leisure
             self.pipeline.release([s.seq_id for s in done], wait=False)
+            if self.drafter is not None:
+                self.drafter.release([s.seq_id for s in done])
         return commits
+
+    def use_drafter(self, drafter) -> None:
+        """Propose speculative drafts with this DraftModel (draft source "model")."""
+        self.drafter = drafter
 
     def _launch(self, unit: int, plans: list[RowPlan]) -> None:
         started = time.perf_counter()
+        plans = self._with_model_drafts(plans)
         batch = build_batch(plans, padding_ids=self._padding_ids(unit, len(plans)))
         hidden = self.parts.embed(mx.array(batch.tokens))
         batch_id = next(self._batch_ids)
         self.shapes.record(batch.spec)
         self.pipeline.submit(batch_id, batch.spec, hidden, batch.reply_slots())
         self.in_flight.append(InFlight(batch_id, unit, plans, batch, started))
+
+    def _with_model_drafts(self, plans: list[RowPlan]) -> list[RowPlan]:
+        """Rows drafting with the draft model get its proposals, then are planned again
+        (their plans were made without drafts)."""
+        rows = [
+            i for i, p in enumerate(plans)
+            if p.seq.params.draft == "model" and p.seq.phase is Phase.DECODE
+        ]  # fmt: skip
+        if not rows or self.drafter is None:
+            return plans
+        seqs = [plans[i].seq for i in rows]
+        counts = [min(s.params.window, s.params.max_tokens - len(s.output) - 1) for s in seqs]
+        self.drafter.propose(seqs, counts)
+        limit = self.config.max_position_embeddings
+        plans = list(plans)
+        for i, seq in zip(rows, seqs, strict=True):
+            plans[i] = plan_speculative(seq, self.config.mask_token_id, limit, "model")
+        return plans
 
     def drop_padding(self) -> None:
         """Release every padding row (while idle): the next batches make their own."""
@@ -259,12 +301,18 @@ class Engine:
         if not batch.wants_head:
             return mx.zeros((rows, 0), mx.bool_), mx.zeros((rows, 0), mx.int32)
         logits = self.parts.head(hidden[:rows])  # the pipeline returned the head slots only
-        if batch.any_wedlm or batch.any_sampling:
+        if batch.any_selection or batch.any_sampling:
             logits = logits.astype(mx.float32)  # entropy and sampling work in float32
         is_mask = mx.array(batch.head_is_mask)
-        if batch.any_wedlm:
+        if batch.any_selection:
             chosen = batch.selection_arrays()
-            fills = select_fills(entropy(logits), is_mask, chosen["threshold"], chosen["penalty"])
+            fills = select_fills(
+                entropy(logits),
+                is_mask,
+                chosen["threshold"],
+                chosen["penalty"],
+                chosen["offset"] if batch.any_speculative else None,
+            )
         else:  # AR rows fill their one slot (an infinite threshold): exactly is_mask
             fills = is_mask
         if not batch.any_sampling:
@@ -279,6 +327,8 @@ class Engine:
             arrays["counter"],
             any_sampling=True,
             any_filter=batch.any_filter,
+            strides=arrays["stride"] if batch.any_speculative else None,
+            greedy_slots=batch.greedy_slots(),
         )
         return fills, tokens
 
@@ -305,7 +355,7 @@ class Engine:
         limits = self.scheduler.limits
         return ShapeLimits(
             max_rows=limits.max_running,
-            max_width=max(limits.prefill_chunk, 2 * MAX_WINDOW),
+            max_width=max(limits.prefill_chunk, MAX_FORWARD_ROWS),
             max_positions=self.config.max_position_embeddings,
         )
 

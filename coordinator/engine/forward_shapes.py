@@ -58,7 +58,7 @@ def shape_key(spec: RowsSpec) -> ShapeKey:
 @dataclass(frozen=True)
 class ShapeLimits:
     """What bounds the shapes: rows of one micro-batch (max_running), the widest row
-    (max(prefill_chunk, 2 * MAX_WINDOW)) and the model's context."""
+    (max(prefill_chunk, MAX_FORWARD_ROWS)) and the model's context."""
 
     max_rows: int
     max_width: int

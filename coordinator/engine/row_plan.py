@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coordinator.engine.prompt_lookup import prompt_lookup
 from coordinator.engine.sequence import Phase, Sequence
 
 
@@ -19,6 +20,7 @@ class RowPlan:
     head_slots: np.ndarray  # [K] rows whose logits are needed
     head_is_mask: np.ndarray  # [K] which of those may be filled this step
     commits: list[int] = field(default_factory=list)  # tokens committed by this forward
+    drafts: int = 0  # speculative mode: draft rows after the `keep` pending ones
 
     @property
     def width(self) -> int:
@@ -35,7 +37,8 @@ def plan_prefill(seq: Sequence, chunk: int) -> RowPlan:
     source = seq.prefill_tokens()
     tokens = np.asarray(source[start : start + chunk], dtype=np.int32)
     last = start + tokens.size == len(source)
-    wants_head = last and seq.params.mode == "ar" and not seq.rebuild_to
+    # AR and speculative mode take their first token from the last prompt row
+    wants_head = last and seq.params.mode != "wedlm" and not seq.rebuild_to
     head = np.array([tokens.size - 1]) if wants_head else _NONE
     return RowPlan(
         seq=seq,
@@ -78,11 +81,90 @@ def plan_autoregressive(seq: Sequence) -> RowPlan:
     )
 
 
-def plan_next(seq: Sequence, mask_token_id: int, prefill_chunk: int) -> RowPlan:
+# Speculative (verified) decoding: several tokens per forward, exactly the autoregressive output.
+#
+# A forward of a speculative sequence feeds, from its committed KV length on:
+#   pending  the committed tokens whose KV is not stored yet (at least the last one),
+#   drafts   k proposed continuations,
+#   masks    m mask slots (mask-slot drafting only),
+# in natural order with causal visibility over the filled run (common/window_mask.py). The
+# rows of the last pending token and of every draft give the model's own next-token choice at
+# each position; the longest run of drafts equal to those choices is accepted, and the choice
+# at the first mismatch (or after the last draft) is committed too, so every forward commits
+# at least one token. Tokens are chosen as autoregressive decoding chooses them (argmax, or a
+# draw keyed by the output index: see sampling.py), so the output is AR's token for token.
+#
+# With point-mass drafts the speculative-sampling rule (accept d with probability p(d), else
+# draw from p with d removed) is exactly "draw from p; accept when the draw equals d": a
+# Gumbel-max draw equals d with probability p(d), and otherwise is distributed as p without d.
+#
+# Accepted drafts are committed tokens; like WeDLM's filled run their KV is stored by the next
+# forward, which feeds them as its pending rows (no protocol change, no rollback of KV). The
+# mask slots predict the tokens at their own positions (WeDLM-trained models): after a forward
+# whose drafts were all accepted, the confident leading run of them is the next forward's
+# drafts, conditioned on text that is now committed.
+
+
+def plan_speculative(seq: Sequence, mask_token_id: int, max_positions: int, source: str) -> RowPlan:
+    """The rows of one verifying forward; `source` is the resolved draft source."""
+    pending = np.asarray(seq.pending(), dtype=np.int32)
+    window = seq.params.window
+    remaining = seq.params.max_tokens - len(seq.output)
+    room = max_positions - seq.kv_length - pending.size  # rows that fit in the context
+    if source == "lookup":
+        history = np.asarray(seq.prompt + seq.output, dtype=np.int32)
+        drafts = prompt_lookup(history, window)
+    else:  # mask-slot predictions or the draft model's proposals, set beforehand
+        drafts = seq.drafts
+    # Drafts past the last token the request may commit can never count.
+    k = max(min(drafts.size, remaining - 1, room), 0)
+    drafts = np.asarray(drafts[:k], dtype=np.int32)
+    # Mask slots draft the next forward; it may commit up to remaining - k - 1 tokens.
+    m = max(min(window, remaining - k - 1, room - k), 0) if source == "mask" else 0
+    c = pending.size
+    tokens = np.concatenate([pending, drafts, np.full(m, mask_token_id, np.int32)])
+    return RowPlan(
+        seq=seq,
+        tokens=tokens.astype(np.int32),
+        filled=np.arange(tokens.size) < c + k,
+        keep=c,
+        # the next-token choices at the last pending row and every draft, then the masks
+        head_slots=np.arange(c - 1, c + k + m),
+        head_is_mask=np.arange(k + 1 + m) > k,
+        drafts=k,
+    )
+
+
+def accept_speculative(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> list[int]:
+    """The tokens this forward commits (the accepted drafts and one choice of the model's),
+    before stop checks; records the drafts and the next forward's mask-slot drafts."""
+    seq = plan.seq
+    k = plan.drafts
+    drafted = plan.tokens[plan.keep : plan.keep + k]
+    choices = tokens[: k + 1]
+    matches = drafted == choices[:k]
+    n = int(np.argmin(matches)) if not matches.all() else k
+    seq.drafted += k
+    seq.accepted += n
+    masks = plan.head_slots.size - k - 1
+    if n == k and masks > 1:
+        # Mask slot 0 sits where the committed choice goes; slots 1.. are guesses for the
+        # positions after it. Keep the leading run that selection found confident.
+        confident = fills[k + 2 : k + 1 + masks]
+        run = int(np.argmin(confident)) if not confident.all() else confident.size
+        seq.drafts = np.asarray(tokens[k + 2 : k + 2 + run], dtype=np.int32)
+    else:
+        seq.drafts = np.zeros(0, np.int32)
+    return [int(t) for t in drafted[:n]] + [int(choices[n])]
+
+
+def plan_next(seq: Sequence, mask_token_id: int, prefill_chunk: int, max_positions: int) -> RowPlan:
     if seq.phase in (Phase.WAITING, Phase.PREFILL):
         return plan_prefill(seq, prefill_chunk)
     if seq.params.mode == "wedlm":
         return plan_wedlm(seq, mask_token_id)
+    if seq.params.mode == "speculative":
+        return plan_speculative(seq, mask_token_id, max_positions, seq.params.draft)
     return plan_autoregressive(seq)
 
 
@@ -91,7 +173,8 @@ def apply_result(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> list[i
     seq = plan.seq
     seq.kv_length += plan.keep
     before = len(seq.output)
-    if seq.phase in (Phase.WAITING, Phase.PREFILL):
+    decoding = seq.phase is Phase.DECODE
+    if not decoding:
         seq.prefilled += plan.keep
         seq.phase = Phase.PREFILL
         if seq.prefilled < len(seq.prefill_tokens()):
@@ -111,6 +194,8 @@ def apply_result(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> list[i
         p = plan.keep
         seq.window_tokens = np.where(fills, tokens, plan.tokens[p:]).astype(np.int32)
         seq.window_filled = plan.filled[p:] | fills
+    elif seq.params.mode == "speculative" and decoding:
+        seq.commit(accept_speculative(plan, fills, tokens))
     else:
         seq.commit([int(tokens[0])])
     if seq.finish_reason:

@@ -3,7 +3,10 @@
 Order as in the WeDLM reference: top-k, then top-p (both on the raw logits), then
 temperature, then a categorical draw; temperature 0 means argmax. The draw is a Gumbel-max
 over noise hashed from (request seed, step, slot, token id), so a request's samples do not
-depend on which other requests share its batch.
+depend on which other requests share its batch. Speculative rows key their noise by the
+output index each slot predicts (stride STEP_KEY per slot): a verified token then sees the
+very noise autoregressive decoding would draw for that index, so with the same seed both
+modes sample the same text, not only the same distribution.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 _M1, _M2 = 0x7FEB352D, 0x846CA68B
+STEP_KEY = 0x9E3779B1  # the noise key of step (or output index) n is n * STEP_KEY + slot
 
 
 def _hash(x: mx.array) -> mx.array:
@@ -22,12 +26,17 @@ def _hash(x: mx.array) -> mx.array:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seeds: mx.array, counters: mx.array, slots: int, vocab: int) -> mx.array:
-    """[N, slots, vocab] Gumbel(0, 1) noise for rows with these seeds and step counters."""
+def gumbel_noise(
+    seeds: mx.array, counters: mx.array, slots: int, vocab: int, strides: mx.array | None = None
+) -> mx.array:
+    """[N, slots, vocab] Gumbel(0, 1) noise for rows with these seeds and step counters;
+    slot s of row n is keyed counters[n] * STEP_KEY + s * strides[n] (strides default 1)."""
     seeds = seeds.astype(mx.uint32)[:, None]
     counters = counters.astype(mx.uint32)[:, None]
     slot = mx.arange(slots, dtype=mx.uint32)[None, :]
-    base = _hash(_hash(seeds) ^ _hash(counters * 0x9E3779B1 + slot))  # [N, slots]
+    if strides is not None:
+        slot = slot * strides.astype(mx.uint32)[:, None]
+    base = _hash(_hash(seeds) ^ _hash(counters * STEP_KEY + slot))  # [N, slots]
     vocab_keys = _hash(mx.arange(vocab, dtype=mx.uint32) * 0x85EBCA77 + 0x27D4EB2F)
     bits = _hash(base[:, :, None] ^ vocab_keys[None, None, :])
     u = (bits >> 8).astype(mx.float32) * (1.0 / (1 << 24)) + (0.5 / (1 << 24))
@@ -66,9 +75,13 @@ def sample_tokens(
     *,
     any_sampling: bool,
     any_filter: bool,
+    strides: mx.array | None = None,
+    greedy_slots: mx.array | None = None,
 ) -> mx.array:
     """Tokens for logits [N, S, V] with per-row parameters [N]. The two flags are known on
-    the host and keep greedy-only batches from paying for noise and sorting."""
+    the host and keep greedy-only batches from paying for noise and sorting. `strides`:
+    see gumbel_noise; `greedy_slots` [N, S]: slots that take the argmax whatever the
+    temperature (speculative drafts from mask slots)."""
     greedy = greedy_tokens(logits)
     if not any_sampling:
         return greedy
@@ -78,6 +91,7 @@ def sample_tokens(
     if any_filter:
         filtered = _filter_top_k_top_p(logits, top_k[:, None], top_p[:, None])
     safe_temp = mx.where(temp > 0, temp, 1.0)[..., None]
-    scores = filtered / safe_temp + gumbel_noise(seeds, counters, s, v)
+    scores = filtered / safe_temp + gumbel_noise(seeds, counters, s, v, strides)
     sampled = mx.argmax(scores, axis=-1).astype(mx.int32)
-    return mx.where(temp > 0, sampled, greedy)
+    use = temp > 0 if greedy_slots is None else (temp > 0) & ~greedy_slots
+    return mx.where(use, sampled, greedy)

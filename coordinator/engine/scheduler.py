@@ -58,9 +58,8 @@ class Scheduler:
     @staticmethod
     def kv_need(seq: Sequence) -> int:
         """Worst-case KV rows of a sequence: its prompt, every token it may commit, and the
-        rows a WeDLM window writes past the committed length."""
-        window = 2 * seq.params.window if seq.params.mode == "wedlm" else 1
-        return len(seq.prompt) + seq.params.max_tokens + window
+        rows a forward writes past the committed length."""
+        return len(seq.prompt) + seq.params.max_tokens + seq.params.forward_rows
 
     def kv_in_use(self) -> int:
         return sum(self.kv_need(s) for s in self.running if not s.finished)
@@ -133,7 +132,7 @@ class Scheduler:
         for seq in self.groups[unit]:
             if seq.finished:
                 continue
-            plan = plan_next(seq, self.mask_token_id, self.limits.prefill_chunk)
+            plan = plan_next(seq, self.mask_token_id, self.limits.prefill_chunk, self.max_positions)
             if plan.commits and seq.would_finish(plan.commits):
                 # The tokens that end the sequence are known: no forward is needed.
                 before = len(seq.output)
@@ -154,7 +153,7 @@ class Scheduler:
         for seq in self.running:
             if seq.phase is not Phase.PREFILL or seq.finished:
                 continue
-            plan = plan_next(seq, self.mask_token_id, self.limits.prefill_chunk)
+            plan = plan_next(seq, self.mask_token_id, self.limits.prefill_chunk, self.max_positions)
             # the forward's size once padded (forward_shapes): it stays within the budget
             padded = padded_width(max(width, plan.width)) * row_bucket(len(plans) + 1)
             if plans and padded > self.limits.prefill_budget:

@@ -16,16 +16,24 @@ def entropy(logits: mx.array) -> mx.array:
 
 
 def select_fills(
-    entropies: mx.array, is_mask: mx.array, threshold: mx.array, penalty: mx.array
+    entropies: mx.array,
+    is_mask: mx.array,
+    threshold: mx.array,
+    penalty: mx.array,
+    offset: mx.array | None = None,
 ) -> mx.array:
     """[N, S] bool: which mask slots to fill this step.
 
     `adj = H + penalty * d` with d the slot's index after the commit (the window then starts
-    with a mask, so d = 0 is the first remaining mask). Every slot with adj < threshold is
-    filled; if none is, only the argmin. threshold = -inf is one-by-one mode.
+    with a mask, so d = 0 is the first remaining mask), less the row's `offset` (slots
+    before it are not window slots: a speculative row's choices and first mask). Every slot
+    with adj < threshold is filled; if none is, only the argmin. threshold = -inf is
+    one-by-one mode.
     """
     s = entropies.shape[-1]
     distance = mx.arange(s, dtype=mx.float32)[None, :]
+    if offset is not None:
+        distance = distance - offset[:, None]
     adj = mx.where(is_mask, entropies + penalty[:, None] * distance, float("inf"))
     parallel = adj < threshold[:, None]
     best = mx.argmin(adj, axis=-1)

@@ -31,6 +31,10 @@ class Sequence:
     # WeDLM window, in logical slot order: slot i sits at position kv_length + i.
     window_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     window_filled: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    # Speculative mode: the drafts its next forward verifies, and what became of drafts
+    drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    drafted: int = 0  # draft tokens verified so far
+    accepted: int = 0  # of which equalled the model's own choice (committed)
     forwards: int = 0  # forwards that produced tokens for this sequence
     finish_reason: str | None = None
     prefill_s: float = 0.0  # wall time from its first prefill launch to the prompt's end
@@ -58,6 +62,12 @@ class Sequence:
         self.prefilled = 0
         if not self.finished:
             self.phase = Phase.PREFILL
+
+    def pending(self) -> list[int]:
+        """Committed tokens whose KV is not stored yet (AR and speculative mode): the last
+        one, plus the drafts a speculative forward accepted (their KV is recomputed with the
+        next forward's rows, as WeDLM commits its filled run)."""
+        return (self.prompt + self.output)[self.kv_length :]
 
     def leading_filled(self) -> int:
         """p: the number of filled slots before the first mask (all of them if no mask)."""

@@ -11,6 +11,8 @@ import numpy as np
 from common.rows_spec import RowsSpec
 from coordinator.engine.forward_shapes import padded_width
 from coordinator.engine.row_plan import RowPlan
+from coordinator.engine.sampling import STEP_KEY
+from coordinator.engine.sequence import Phase
 
 
 @dataclass
@@ -38,7 +40,9 @@ class TickBatch:
         return mx.array([get(r) if r else default for r in rows], dtype=dtype)
 
     def selection_arrays(self) -> dict[str, mx.array]:
-        """WeDLM slot selection parameters per row."""
+        """WeDLM slot selection parameters per row. A speculative row's mask slots are
+        selected as draft candidates: distances count from its second mask slot (the
+        first one's position is taken by the token the forward commits)."""
         ar = float("inf")  # an AR row fills its single slot: adj < inf always holds
         return {
             "threshold": self._column(
@@ -47,6 +51,9 @@ class TickBatch:
                 mx.float32,
             ),
             "penalty": self._column(lambda r: r.penalty, 0.0, mx.float32),
+            "offset": mx.array(
+                [p.drafts + 2 if _speculative(p) else 0 for p in self.plans], mx.float32
+            ),
         }
 
     def sampling_arrays(self) -> dict[str, mx.array]:
@@ -56,9 +63,24 @@ class TickBatch:
             "top_k": self._column(lambda r: r.top_k, 0, mx.int32),
             "top_p": self._column(lambda r: r.top_p, 1.0, mx.float32),
             "seed": self._column(lambda r: r.seed, 0, mx.uint32),
-            # Read when the micro-batch completes, after every earlier step's postprocess
-            "counter": mx.array([p.seq.forwards for p in self.plans], dtype=mx.uint32),
+            # Read when the micro-batch completes, after every earlier step's postprocess.
+            # Speculative rows key slot s by the output index it predicts (sampling.py).
+            "counter": mx.array(
+                [len(p.seq.output) if _speculative(p) else p.seq.forwards for p in self.plans],
+                dtype=mx.uint32,
+            ),
+            "stride": mx.array(
+                [STEP_KEY if _speculative(p) else 1 for p in self.plans], dtype=mx.uint32
+            ),
         }
+
+    def greedy_slots(self) -> mx.array | None:
+        """[rows, K]: slots that take the argmax whatever the temperature (a speculative
+        row's mask slots: drafts are point proposals), or None when there are none."""
+        if not self.any_speculative:
+            return None
+        flags = self.head_is_mask & np.array([_speculative(p) for p in self.plans])[:, None]
+        return mx.array(flags)
 
     @property
     def any_sampling(self) -> bool:
@@ -72,8 +94,22 @@ class TickBatch:
         )
 
     @property
-    def any_wedlm(self) -> bool:
-        return any(p.head_slots.size and p.seq.params.mode == "wedlm" for p in self.plans)
+    def any_selection(self) -> bool:
+        """Whether some row needs entropies: a WeDLM window, or speculative mask slots."""
+        return any(
+            p.head_slots.size
+            and (p.seq.params.mode == "wedlm" or (_speculative(p) and p.head_is_mask.any()))
+            for p in self.plans
+        )
+
+    @property
+    def any_speculative(self) -> bool:
+        return any(_speculative(p) for p in self.plans)
+
+
+def _speculative(plan: RowPlan) -> bool:
+    """A speculative decode row (its prefill rows decide like AR's)."""
+    return plan.seq.params.mode == "speculative" and plan.seq.phase is Phase.DECODE
 
 
 def build_batch(plans: list[RowPlan], padding_ids: list[int] = ()) -> TickBatch:

@@ -91,10 +91,18 @@ class _Reply:
         return self._envelope("text_completion", [choice], usage=usage)
 
 
-def _usage(result: dict[str, Any]) -> dict[str, int]:
+def _usage(result: dict[str, Any]) -> dict[str, Any]:
     prompt, completion = result["prompt_tokens"], len(result["tokens"])
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+    usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}  # fmt: skip
+    drafted = result.get("drafted_tokens", 0)
+    if drafted:  # speculative mode: OpenAI's fields for verified predictions
+        accepted = result["accepted_drafts"]
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+    return usage
 
 
 def build_app(backend: ApiBackend) -> FastAPI:
@@ -122,9 +130,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
             prompt = chat_prompt(body, backend.tokenizer)  # type: ignore[arg-type]
         else:
             prompt = completion_prompt(body, backend.tokenizer)  # type: ignore[arg-type]
-        params = generation_params(
-            body, len(prompt), backend.context, backend.default_max_tokens
-        )
+        params = generation_params(body, len(prompt), backend.context, backend.default_max_tokens)
         return backend.admission.accept(prompt, params, 0.0, events.put)
 
     async def start(body: GenerationFields, chat: bool) -> tuple[Job, JobEvents]:

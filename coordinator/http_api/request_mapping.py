@@ -22,7 +22,7 @@ DEFAULTS = GenerationParams()
 MAX_STOP_STRINGS = 16
 # The error messages of GenerationParams.validate name their field first.
 _PARAM_FIELDS = ("mode", "window", "threshold", "penalty", "temperature", "top_p", "top_k",
-                 "max_tokens", "seed")  # fmt: skip
+                 "max_tokens", "seed", "draft")  # fmt: skip
 
 
 def _message_text(i: int, message: ChatMessage) -> str:
@@ -107,6 +107,7 @@ def generation_params(
             stop_ids=tuple(body.stop_token_ids or ()),
             stop_strings=_stop_strings(body.stop),
             seed=secrets.randbelow(2**32) if body.seed is None else body.seed % 2**32,
+            draft=body.draft or DEFAULTS.draft,
         )
     except InvalidRequest as e:
         message = str(e)
@@ -114,7 +115,7 @@ def generation_params(
         if message.startswith("stop ids"):
             field, message = "stop_token_ids", f"stop_token_ids: {message}"
         raise ApiError(400, message, field) from None
-    room = context - prompt_tokens - (2 * params.window if params.mode == "wedlm" else 1)
+    room = context - prompt_tokens - params.forward_rows
     max_tokens = body.limit()
     limit_field = body.limit_field()
     if max_tokens is not None and max_tokens > room:

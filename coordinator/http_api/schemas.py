@@ -50,7 +50,8 @@ class GenerationFields(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # WeDLM and sampling extras (extra_body)
-    mode: Literal["wedlm", "ar"] | None = None
+    mode: Literal["wedlm", "ar", "speculative"] | None = None
+    draft: Literal["auto", "mask", "lookup", "model"] | None = None
     window: int | None = None
     threshold: float | None = Field(default=None, allow_inf_nan=False)
     one_by_one: bool = False

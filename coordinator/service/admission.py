@@ -63,8 +63,7 @@ class Admission:
         except (InvalidRequest, CheckpointError) as e:
             raise Refused(INVALID, str(e)) from None
         budget = self.engine.scheduler.limits.kv_tokens
-        window = 2 * params.window if params.mode == "wedlm" else 1
-        need = len(prompt) + params.max_tokens + window
+        need = len(prompt) + params.max_tokens + params.forward_rows
         if budget is not None and need > budget:
             raise Refused(
                 TOO_LARGE,

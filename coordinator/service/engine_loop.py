@@ -222,6 +222,11 @@ class EngineLoop(threading.Thread):
         m.e2e.observe(time.time() - live.job.created_at)
         if seq.forwards:
             m.tokens_per_forward.observe(len(seq.output) / seq.forwards)
+        if seq.params.mode == "speculative":
+            m.drafted_tokens.inc(seq.drafted)
+            m.accepted_drafts.inc(seq.accepted)
+            if seq.forwards:
+                m.accepted_per_forward.observe(seq.accepted / seq.forwards)
         if len(seq.output) > 1 and seq.decode_s:
             m.tpot.observe(seq.decode_s / (len(seq.output) - 1))
         live.job.finish(state, record)

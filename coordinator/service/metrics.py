@@ -69,6 +69,20 @@ class Metrics:
             buckets=(0.5, 1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8, 12, 16),
             registry=r,
         )
+        self.drafted_tokens = Counter(
+            "wedlm:drafted_tokens", "Draft tokens verified (speculative mode).", registry=r
+        )
+        self.accepted_drafts = Counter(
+            "wedlm:accepted_drafts",
+            "Verified draft tokens that equalled the model's choice (speculative mode).",
+            registry=r,
+        )
+        self.accepted_per_forward = Histogram(
+            "wedlm:accepted_drafts_per_forward",
+            "Accepted draft tokens per forward, per finished speculative request.",
+            buckets=(0, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16),
+            registry=r,
+        )
         self.worker_compute = Histogram(
             "wedlm:worker_compute_seconds",
             "Layer compute time per forward on each worker.",

@@ -31,6 +31,7 @@ def params_from_request(req: pb.GenerateRequest) -> GenerationParams:
         stop_ids=tuple(req.stop_ids),
         stop_strings=tuple(req.stop),
         seed=req.seed,
+        draft=req.draft or DEFAULTS.draft,
     )
 
 

@@ -19,6 +19,8 @@ def result_record(seq: Sequence, text: str, error: str = "") -> dict[str, Any]:
         "prefill_s": round(seq.prefill_s, 6),
         "decode_s": round(seq.decode_s, 6),
         "decode_tokens_per_s": len(seq.output) / seq.decode_s if seq.decode_s else None,
+        "drafted_tokens": seq.drafted,
+        "accepted_drafts": seq.accepted,
     }
     if error:
         record["error"] = error
@@ -37,5 +39,7 @@ def error_record(prompt_tokens: int, message: str) -> dict[str, Any]:
         "prefill_s": 0.0,
         "decode_s": 0.0,
         "decode_tokens_per_s": None,
+        "drafted_tokens": 0,
+        "accepted_drafts": 0,
         "error": message,
     }

@@ -36,6 +36,7 @@ KEYS: dict[str, tuple[type, str]] = {
     "http_port": (int, "port of the OpenAI-compatible HTTP API"),
     "api_key_file": (str, "file holding the API key clients must send"),
     "served_model_name": (str, "the model's name in the APIs"),
+    "draft_model": (str, "a small model drafting for speculative requests"),
     "default_max_tokens": (int, "max tokens of an HTTP request that names no limit"),
 }
 

@@ -88,6 +88,7 @@ class ServeOptions:
     http_port: int | None = None  # the OpenAI-compatible HTTP API (None: not served)
     api_key: str | None = None  # clients must send it (HTTP and gRPC), if set
     served_model_name: str | None = None  # the model's name in the APIs (default: folder)
+    draft_model: Path | None = None  # drafts for speculative requests (--draft-model)
     default_max_tokens: int = 2048  # HTTP requests that name no limit
 
 
@@ -120,6 +121,10 @@ class CoordinatorServer:
             stop_ids=self.tokenizer.stop_ids,
             limits=Limits(max_queued=opts.max_queued, max_queued_tokens=opts.max_queued_tokens),
         )
+        if opts.draft_model is not None:
+            from coordinator.engine.draft_model import DraftModel
+
+            self.engine.use_drafter(DraftModel(opts.draft_model, self.config, self.tokenizer))
         self.metrics = Metrics()
         self.metrics_port = None
         if opts.metrics_port is not None:

@@ -109,6 +109,11 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
     )
     p.add_argument("--served-model-name", help="the model's name in the APIs (default: folder)")
     p.add_argument(
+        "--draft-model",
+        help="a small model with the served model's tokenizer, run on the coordinator to "
+        "draft tokens for speculative requests (draft 'model'; 'auto' then prefers it)",
+    )
+    p.add_argument(
         "--default-max-tokens",
         type=_positive,
         default=2048,
@@ -241,6 +246,7 @@ def state_dir(flag: Path | None) -> Path | None:
 def serve_options(args: argparse.Namespace, **fixed):
     """ServeOptions from the flags `serve` and `local` share, plus `fixed` ones."""
     from common.tls import load_tls
+    from coordinator.engine.local_engine import resolve_model
     from coordinator.service.server import ServeOptions
 
     shared = dict(
@@ -263,6 +269,7 @@ def serve_options(args: argparse.Namespace, **fixed):
         http_port=args.http_port,
         api_key=args.api_key or None,
         served_model_name=args.served_model_name,
+        draft_model=resolve_model(args.draft_model) if args.draft_model else None,
         default_max_tokens=args.default_max_tokens,
     )
     return ServeOptions(**{**shared, **fixed})
@@ -287,9 +294,7 @@ def serve(args: argparse.Namespace) -> int:
     server.start()
     print(f"wedlm-coordinator listening on {args.host}:{server.port}", flush=True)
     if server.http is not None:
-        print(
-            f"wedlm-coordinator HTTP API on http://{args.host}:{server.http.port}/v1", flush=True
-        )
+        print(f"wedlm-coordinator HTTP API on http://{args.host}:{server.http.port}/v1", flush=True)
     if server.metrics_port is not None:
         print(
             f"wedlm-coordinator metrics on http://{args.host}:{server.metrics_port}/metrics",

@@ -36,6 +36,8 @@ def final_message(result: dict) -> pb.Final:
         tokens_per_forward=result["tokens_per_forward"],
         prefill_s=result["prefill_s"],
         decode_s=result["decode_s"],
+        drafted_tokens=result["drafted_tokens"],
+        accepted_drafts=result["accepted_drafts"],
     )
     return pb.Final(
         finish_reason=result["finish_reason"] or "",
