@@ -1,6 +1,6 @@
-"""Worker loss on a real cluster: while 8 streams generate, a middle or the last worker of
-the chain is killed (and restarted), or suspended. Every stream completes with exactly the
-tokens of a run without the fault (greedy, float32)."""
+"""Worker loss on a real cluster: while 8 streams generate (WeDLM, AR and speculative), a
+middle or the last worker of the chain is killed (and restarted), or suspended. Every stream
+completes with exactly the tokens of a run without the fault (greedy, float32)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ PROMPTS = [f"stream {i} says {w}" for i, w in enumerate("abcdefgh")]
 
 
 def params_for(i: int) -> GenerationParams:
+    if i % 4 == 3:  # speculative, drafts by prompt lookup and from mask slots
+        draft = "lookup" if i == 3 else "mask"
+        return GenerationParams(mode="speculative", draft=draft, window=8, max_tokens=160)
     if i % 2:
         return GenerationParams(mode="ar", max_tokens=160)
     return GenerationParams(threshold=1.0, window=8, max_tokens=160)
