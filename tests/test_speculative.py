@@ -31,7 +31,7 @@ def engines(checkpoint_dir):
     for family in FAMILIES:
         local = open_local_engine(checkpoint_dir(family, seed=71), num_rows=8)
         other = checkpoint_dir("llama" if family != "llama" else "qwen3", seed=72)
-        local.engine.use_drafter(DraftModel(other, local.engine.config, local.tokenizer))
+        local.engine.use_drafter(DraftModel.load(other, local.engine.config, local.tokenizer))
         out[family] = local
     return out
 
@@ -79,7 +79,7 @@ def test_a_draft_model_equal_to_the_served_one_is_always_accepted(checkpoint_dir
     forward commits window + 1 tokens."""
     path = checkpoint_dir("qwen3", seed=73)
     local = open_local_engine(path, num_rows=4)
-    local.engine.use_drafter(DraftModel(path, local.engine.config, local.tokenizer))
+    local.engine.use_drafter(DraftModel.load(path, local.engine.config, local.tokenizer))
     params = GenerationParams(mode="speculative", window=4, max_tokens=31)
     assert local.engine.resolve_drafts(params).draft == "model"  # auto prefers the model
     (seq,) = run_all(local, [(prompts(local)[1], params)])
@@ -130,7 +130,7 @@ def test_sampled_tokens_follow_the_autoregressive_distribution(checkpoint_dir):
     the reject branch of the rule are exercised."""
     path = checkpoint_dir("qwen3", seed=74)
     local = open_local_engine(path, num_rows=64)
-    local.engine.use_drafter(DraftModel(path, local.engine.config, local.tokenizer))
+    local.engine.use_drafter(DraftModel.load(path, local.engine.config, local.tokenizer))
     prompt = local.tokenizer.encode("count 1 2 3")
     n = 1200
     sampling = dict(temperature=1.0, top_k=6, max_tokens=3)
@@ -200,7 +200,7 @@ def test_bad_draft_settings_are_refused(checkpoint_dir, engines, tmp_path):
     assert auto.draft == "mask"
     other_vocab = checkpoint_dir("llama", seed=76, vocab_size=384)
     with pytest.raises(CheckpointError, match="another tokenizer"):
-        DraftModel(other_vocab, local.engine.config, local.tokenizer)
+        DraftModel.load(other_vocab, local.engine.config, local.tokenizer)
 
 
 def test_mask_drafts_on_the_wedlm_trained_checkpoint():

@@ -11,6 +11,7 @@ included) and overwrites the rest."""
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,7 +20,7 @@ import numpy as np
 from common.errors import CheckpointError
 from common.layer_runner import LayerRunner
 from common.model_config import ModelConfig
-from common.model_parts import load_model_parts
+from common.model_parts import ModelParts, load_model_parts
 from common.rows_spec import RowsSpec
 from common.tokenizer import Tokenizer
 from coordinator.engine.forward_shapes import padded_width
@@ -31,30 +32,42 @@ CATCH_UP_CHUNK = 512  # committed tokens fed to the draft model per forward (new
 
 
 class DraftModel:
-    def __init__(self, path: str | Path, target: ModelConfig, target_tokenizer: Tokenizer) -> None:
+    def __init__(self, parts: ModelParts, target: ModelConfig) -> None:
+        """A loaded model (all layers and both ends) drafting for `target`; `load` checks
+        that the two share a tokenizer."""
+        self.parts = parts
+        self.config = parts.config
+        # Ids past the served model's table (padding rows of a larger table) never draft.
+        self.vocab_limit = min(self.config.vocab_size, target.vocab_size)
+        self.runner = LayerRunner(parts)
+        self.held: dict[int, list[int]] = {}  # tokens in each sequence's draft KV, in order
+        self.forwards = 0
+        self.propose_s = 0.0  # wall time of the rounds (benchmarks split a step with it)
+
+    @classmethod
+    def load(cls, path: str | Path, target: ModelConfig, target_tokenizer: Tokenizer) -> DraftModel:
         path = Path(path).expanduser()
         tokenizer = Tokenizer(path)
-        if tokenizer.vocabulary() != target_tokenizer.vocabulary():
+        mine, theirs = tokenizer.vocabulary(), target_tokenizer.vocabulary()
+        if mine != theirs:
             raise CheckpointError(
                 f"the draft model {path} has another tokenizer than the served model "
-                f"({len(tokenizer.vocabulary())} tokens against "
-                f"{len(target_tokenizer.vocabulary())}, or the same size with other ids): "
+                f"({len(mine)} tokens against {len(theirs)}"
+                f"{', the same count with other ids' if len(mine) == len(theirs) else ''}): "
                 "drafts must use the served model's token ids"
             )
-        self.parts = load_model_parts(path)
-        self.config = self.parts.config
-        if self.config.vocab_size > target.vocab_size:
-            # Tokenizers agree, so ids past the target's table are padding rows: never drafted.
-            log.info("draft model table has %d rows, the served model %d",
-                     self.config.vocab_size, target.vocab_size)  # fmt: skip
-        self.vocab_limit = min(self.config.vocab_size, target.vocab_size)
-        self.runner = LayerRunner(self.parts)
-        self.held: dict[int, list[int]] = {}  # tokens in each sequence's draft KV, in order
-        self.path = path
-        self.forwards = 0
+        log.info("draft model %s loaded", path)
+        return cls(load_model_parts(path), target)
 
     def propose(self, seqs: list[Sequence], counts: list[int]) -> None:
         """Set seq.drafts to up to counts[i] greedy draft tokens for each sequence."""
+        started = time.perf_counter()
+        try:
+            self._propose(seqs, counts)
+        finally:
+            self.propose_s += time.perf_counter() - started
+
+    def _propose(self, seqs: list[Sequence], counts: list[int]) -> None:
         if not seqs or max(counts) <= 0:
             for seq in seqs:
                 seq.drafts = np.zeros(0, np.int32)

@@ -18,7 +18,7 @@ def generate_locally(
     if getattr(args, "draft_model", None):
         from coordinator.engine.draft_model import DraftModel
 
-        local.engine.use_drafter(DraftModel(args.draft_model, local.engine.config, tok))
+        local.engine.use_drafter(DraftModel.load(args.draft_model, local.engine.config, tok))
     prompt = list(args.prompt_ids) if args.prompt_ids else tok.encode(args.prompt, args.chat)
     seq = local.engine.submit(prompt, params)
     detok = tok.detokenizer()

@@ -124,7 +124,7 @@ class CoordinatorServer:
         if opts.draft_model is not None:
             from coordinator.engine.draft_model import DraftModel
 
-            self.engine.use_drafter(DraftModel(opts.draft_model, self.config, self.tokenizer))
+            self.engine.use_drafter(DraftModel.load(opts.draft_model, self.config, self.tokenizer))
         self.metrics = Metrics()
         self.metrics_port = None
         if opts.metrics_port is not None:
