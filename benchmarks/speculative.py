@@ -209,10 +209,12 @@ def phase_mask(args) -> dict:
         "counting": [tok.encode(t) for t in COUNTING[: args.prompts]],
         "chat": [tok.encode(t, chat=True) for t in CHAT[: args.prompts]],
     }
+    sets = {k: v for k, v in sets.items() if k in args.sets}
     settings = mask_settings(args)
     result: dict = {"settings": {k: asdict(v) for k, v in settings.items()}}
     warm = GenerationParams(mode="speculative", draft="mask", max_tokens=8)
-    local_run(local, sets["chat"], warm, 8)  # compile before timing
+    first = next(iter(sets.values()))
+    local_run(local, first, warm, 8)  # compile before timing
     for c in args.concurrency:
         for name, prompts in sets.items():
             log(f"mask: one process, C={c}, {name}")
@@ -228,7 +230,7 @@ def phase_mask(args) -> dict:
         try:
             address = cluster.start_coordinator(flags=("--warm-up", "off"))
             result["two_stages_layout"] = cluster.layout()
-            cluster_run(address, sets["chat"], warm, 8)
+            cluster_run(address, first, warm, 8)
             for c in args.concurrency:
                 for name, prompts in sets.items():
                     log(f"mask: 2 stages, C={c}, {name}")
@@ -355,6 +357,7 @@ def main() -> None:
     p.add_argument("--lookup-max-tokens", type=int, default=128)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.6, 1.5])
+    p.add_argument("--sets", nargs="+", default=["counting", "chat"], choices=["counting", "chat"])
     p.add_argument("--no-stages", dest="stages", action="store_false")
     p.add_argument("--gpus", type=int, default=0, help="GPUs for the 2-stage run (0: shared)")
     p.add_argument("--wedlm-model", type=Path, default=WEDLM_MODEL)
