@@ -216,3 +216,20 @@ def test_mask_drafts_on_the_wedlm_trained_checkpoint():
     (sp,) = run_all(local, [(prompt, params)])
     assert sp.output == ar.output
     assert sp.accepted > 0 and len(sp.output) / sp.forwards > 1.3
+
+
+def test_a_forward_with_no_drafts_commits_the_models_choice(engines):
+    """An empty draft (nothing to look up) is one pending row and no masks: it decides as
+    AR does; the plan never drafts past max_tokens."""
+    from coordinator.engine.row_plan import plan_speculative
+
+    local = engines["llama"]
+    prompt = local.tokenizer.encode("xyz")  # no repeated n-gram: lookup finds nothing
+    params = GenerationParams(mode="speculative", draft="lookup", max_tokens=12)
+    (ar,) = run_all(local, [(prompt, GenerationParams(mode="ar", max_tokens=12))])
+    (seq,) = run_all(local, [(prompt, params)])
+    assert seq.output == ar.output
+    seq.output, seq.kv_length = seq.output[:3], len(prompt) + 2
+    plan = plan_speculative(seq, 0, 4096, "lookup")
+    assert plan.keep == 1 and plan.drafts <= 12 - 3 - 1
+    assert plan.head_slots.tolist() == list(range(plan.drafts + 1))
