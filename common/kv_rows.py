@@ -5,6 +5,10 @@ each window), so a uniform offset or trim is wrong. Each forward writes its T wi
 at positions length_b..length_b+T-1 of row b; `commit` then advances each row by the
 number of leading rows that became permanent. Whatever lies past a row's length is stale
 and is overwritten by the next forward, never read (the attention mask hides it).
+
+With `kv_bits` set, keys and values are stored quantized (mlx's affine quantization along
+the head dimension: packed words, scales, biases) and attention runs through mlx-lm's
+quantized path, which it takes for any cache with `bits` and `group_size`.
 """
 
 from __future__ import annotations
@@ -12,7 +16,21 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from common.kv_format import FULL, KVFormat
 from common.window_mask import attention_mask
+
+Stored = mx.array | tuple[mx.array, ...]  # one tensor, or the parts of a quantized one
+
+
+def parts_of(stored: Stored) -> tuple[mx.array, ...]:
+    return stored if isinstance(stored, tuple) else (stored,)
+
+
+def like(stored: Stored, parts) -> Stored:
+    """`parts` in the form of `stored` (a tuple, or the one array)."""
+    parts = tuple(parts)
+    return parts if isinstance(stored, tuple) else parts[0]
+
 
 GROW_STEP = 256  # capacity grows in these steps, like mlx-lm's KVCache
 SPAN_STEP = 64  # attention spans are rounded up to bound the set of shapes
@@ -22,48 +40,101 @@ class LayerKV:
     """One layer's keys/values for all rows; duck-types mlx-lm's cache (offset, update)."""
 
     def __init__(self) -> None:
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        self.keys: Stored | None = None
+        self.values: Stored | None = None
         self.offset: mx.array | int = 0  # RoPE start per row, set by KVRows.begin
         self._rows: KVRows | None = None
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def encode(self, x: mx.array) -> Stored:
+        """What is stored for new keys or values [rows, heads, T, dim]."""
+        return x
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Stored, Stored]:
         rows = self._rows
         assert rows is not None, "KVRows.begin() must run before a forward"
         b, _, t, _ = keys.shape
-        if self.keys is None or self.keys.shape[2] < rows.capacity:
+        keys, values = self.encode(keys), self.encode(values)
+        if self.keys is None or parts_of(self.keys)[0].shape[2] < rows.capacity:
             self._grow(keys, values, rows.capacity)
-        if rows.uniform_start is not None:  # one contiguous slice for all rows
-            s = rows.uniform_start
-            self.keys[:b, :, s : s + t, :] = keys
-            self.values[:b, :, s : s + t, :] = values
-        else:
-            pos = mx.broadcast_to(rows.write_positions[:, None, :, None], keys.shape)
-            self.keys = mx.put_along_axis(self.keys, pos, keys, axis=2)
-            pos = mx.broadcast_to(rows.write_positions[:, None, :, None], values.shape)
-            self.values = mx.put_along_axis(self.values, pos, values, axis=2)
-        return self.keys[:b, :, : rows.span, :], self.values[:b, :, : rows.span, :]
+        self.keys = _write(self.keys, keys, rows, t)
+        self.values = _write(self.values, values, rows, t)
+        span = rows.span
+        return (
+            like(self.keys, (a[:b, :, :span, :] for a in parts_of(self.keys))),
+            like(self.values, (a[:b, :, :span, :] for a in parts_of(self.values))),
+        )
 
-    def _grow(self, keys: mx.array, values: mx.array, capacity: int) -> None:
-        b, h, _, dk = keys.shape
-        new_k = mx.zeros((b, h, capacity, dk), keys.dtype)
-        new_v = mx.zeros((b, h, capacity, values.shape[3]), values.dtype)
-        if self.keys is not None:
-            old = self.keys.shape[2]
-            new_k[:, :, :old, :] = self.keys
-            new_v[:, :, :old, :] = self.values
-        self.keys, self.values = new_k, new_v
+    def _grow(self, keys: Stored, values: Stored, capacity: int) -> None:
+        self.keys = _grown(self.keys, keys, capacity)
+        self.values = _grown(self.values, values, capacity)
 
     def keep_rows(self, rows: mx.array) -> None:
         if self.keys is not None:
-            self.keys, self.values = self.keys[rows], self.values[rows]
+            self.keys = like(self.keys, (a[rows] for a in parts_of(self.keys)))
+            self.values = like(self.values, (a[rows] for a in parts_of(self.values)))
+
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return sum(a.nbytes for a in (*parts_of(self.keys), *parts_of(self.values)))
+
+
+class QuantizedLayerKV(LayerKV):
+    """Keys and values quantized to `bits` in groups of `group_size` along the head dim.
+    The two attributes are what sends mlx-lm's attention down its quantized path."""
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        super().__init__()
+        self.bits = bits
+        self.group_size = group_size
+
+    def encode(self, x: mx.array) -> Stored:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+
+def _write(stored: Stored, new: Stored, rows: KVRows, t: int) -> Stored:
+    """Write the forward's T new rows of every part at each row's positions."""
+    out = []
+    for old, part in zip(parts_of(stored), parts_of(new), strict=True):
+        b = part.shape[0]
+        if rows.uniform_start is not None:  # one contiguous slice for all rows
+            s = rows.uniform_start
+            old[:b, :, s : s + t, :] = part
+        else:
+            pos = mx.broadcast_to(rows.write_positions[:, None, :, None], part.shape)
+            old = mx.put_along_axis(old, pos, part, axis=2)
+        out.append(old)
+    return like(stored, out)
+
+
+def _grown(stored: Stored | None, new: Stored, capacity: int) -> Stored:
+    """Buffers of `capacity` positions shaped like `new`'s parts, keeping what is stored."""
+    out = []
+    old_parts = parts_of(stored) if stored is not None else (None,) * len(parts_of(new))
+    for old, part in zip(old_parts, parts_of(new), strict=True):
+        b, h, _, d = part.shape
+        grown = mx.zeros((b, h, capacity, d), part.dtype)
+        if old is not None:
+            grown[:, :, : old.shape[2], :] = old
+        out.append(grown)
+    return like(new, out)
 
 
 class KVRows:
     """KV for a fixed number of rows across the layers of one process."""
 
-    def __init__(self, num_layers: int, num_rows: int, seq_ids: list[int] | None = None) -> None:
-        self.layers = [LayerKV() for _ in range(num_layers)]
+    def __init__(
+        self,
+        num_layers: int,
+        num_rows: int,
+        seq_ids: list[int] | None = None,
+        kv: KVFormat = FULL,
+    ) -> None:
+        self.kv = kv
+        if kv.bits is None:
+            self.layers = [LayerKV() for _ in range(num_layers)]
+        else:
+            self.layers = [QuantizedLayerKV(kv.bits, kv.group_size) for _ in range(num_layers)]
         self.lengths = np.zeros(num_rows, dtype=np.int64)  # host copy: no device reads
         self.seq_ids = list(seq_ids) if seq_ids is not None else list(range(num_rows))
         self.capacity = 0
@@ -123,8 +194,4 @@ class KVRows:
         self.seq_ids = [self.seq_ids[r] for r in rows]
 
     def nbytes(self) -> int:
-        return sum(
-            layer.keys.nbytes + layer.values.nbytes
-            for layer in self.layers
-            if layer.keys is not None
-        )
+        return sum(layer.nbytes() for layer in self.layers)

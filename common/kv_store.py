@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from common.kv_rows import KVRows
+from common.kv_format import FULL, KVFormat
+from common.kv_rows import KVRows, like, parts_of
 
 
 class KVStore:
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, kv: KVFormat = FULL) -> None:
         self.num_layers = num_layers
+        self.kv = kv
         self.batches: list[KVRows] = []
         self._where: dict[int, KVRows] = {}
 
@@ -63,7 +65,7 @@ class KVStore:
         """A new batch with these rows, in this order; unknown sequences start empty. Per
         layer it costs one concatenation of the source batches and one row gather (not an
         op per row: a batch of 32 rows joined by one sequence is 4 ops a layer, not 64)."""
-        new = KVRows(self.num_layers, len(seq_ids), seq_ids=seq_ids)
+        new = KVRows(self.num_layers, len(seq_ids), seq_ids, self.kv)
         sources = [self._where.get(s) for s in seq_ids]
         batches = list({id(b): b for b in sources if b is not None}.values())
         new.capacity = max((b.capacity for b in batches), default=0)
@@ -74,19 +76,22 @@ class KVStore:
             stored = [b.layers[layer] for b in batches if b.layers[layer].keys is not None]
             if not stored:
                 break  # nothing stored yet: buffers are created on the first write
-            new.layers[layer].keys = _take_rows(
-                [(b, b.layers[layer].keys) for b in batches], sources, seq_ids,
-                stored[0].keys, new.capacity,
-            )  # fmt: skip
-            new.layers[layer].values = _take_rows(
-                [(b, b.layers[layer].values) for b in batches], sources, seq_ids,
-                stored[0].values, new.capacity,
-            )  # fmt: skip
+            for name in ("keys", "values"):
+                template = getattr(stored[0], name)
+                taken = []
+                for i, part in enumerate(parts_of(template)):
+                    arrays = [(b, _part(getattr(b.layers[layer], name), i)) for b in batches]
+                    taken.append(_take_rows(arrays, sources, seq_ids, part, new.capacity))
+                setattr(new.layers[layer], name, like(template, taken))
         # Rows that moved leave their old batches.
         moved = set(seq_ids)
         for src in batches:
             self._drop_rows(src, [i for i, s in enumerate(src.seq_ids) if s not in moved])
         return new
+
+
+def _part(stored, index: int):
+    return None if stored is None else parts_of(stored)[index]
 
 
 def _take_rows(parts, sources, seq_ids, template: mx.array, capacity: int) -> mx.array:

@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.errors import WedlmError
+from common.kv_format import FULL, KVFormat
 from common.kv_store import KVStore
 from common.model_parts import ModelParts, run_layers
 from common.rows_spec import RowsSpec
@@ -30,9 +31,12 @@ def select_slots(hidden: mx.array, slots: np.ndarray) -> mx.array:
 
 
 class LayerRunner:
-    def __init__(self, parts: ModelParts) -> None:
+    def __init__(self, parts: ModelParts, kv: KVFormat = FULL) -> None:
+        """`kv`: how this process stores its KV (quantized or in the model's dtype)."""
+        kv.check(parts.config)
         self.parts = parts
-        self.store = KVStore(len(parts.layers))
+        self.kv = kv
+        self.store = KVStore(len(parts.layers), kv)
         self.max_positions = parts.config.max_position_embeddings
 
     def check(self, spec: RowsSpec, hidden_shape: tuple[int, ...]) -> None:

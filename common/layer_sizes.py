@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten
 
 from common.checkpoint_weights import layer_of, weight_files
 from common.errors import CheckpointError
+from common.kv_format import FULL, KVFormat
 from common.model_config import ModelConfig
 from common.model_parts import ModelParts
 
@@ -85,10 +86,8 @@ def estimated_layer_bytes(config: ModelConfig, dtype: mx.Dtype) -> int:
     return total // config.num_layers
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: mx.Dtype, layers: int) -> int:
-    """Keys and values of one token across `layers` layers."""
-    raw = config.raw
-    heads = int(raw.get("num_attention_heads") or 1)
-    kv_heads = int(raw.get("num_key_value_heads") or heads)
-    head_dim = int(raw.get("head_dim") or config.hidden_size // heads)
-    return 2 * kv_heads * head_dim * dtype.size * max(1, layers)
+def kv_bytes_per_token(
+    config: ModelConfig, dtype: mx.Dtype, layers: int, kv: KVFormat = FULL
+) -> int:
+    """Keys and values of one token across `layers` layers, as `kv` stores them."""
+    return kv.bytes_per_token(config, dtype, layers)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
+from common.kv_format import FULL, KVFormat
 from common.layer_range import LayerRange
 from common.layer_runner import LayerRunner, RowsError, select_slots
 from common.layer_sizes import (
@@ -42,6 +43,7 @@ class LayerState:
     kv_bytes_per_token: int
     kv_sequences: int = 0
     kv_bytes: int = 0
+    kv: KVFormat = FULL  # how the KV is stored (the coordinator's Assign says)
 
 
 class HeldLayers:
@@ -49,6 +51,7 @@ class HeldLayers:
         """`config` None: a worker that fetches its model and has none yet."""
         self.fixed = fixed
         self.runner: LayerRunner | None = None
+        self.kv = FULL
         self.use_model(config)
 
     def use_model(self, config: ModelConfig | None) -> LayerState:
@@ -63,11 +66,14 @@ class HeldLayers:
         self.state = self._describe()
         return self.state
 
-    def load(self, layer_range: LayerRange) -> LayerState:
-        """Hold exactly `layer_range` with no KV. The same range keeps its weights; another
-        range replaces them, the old layers going first so both are never held at once."""
+    def load(self, layer_range: LayerRange, kv: KVFormat = FULL) -> LayerState:
+        """Hold exactly `layer_range` with no KV, stored as `kv` says. The same range keeps
+        its weights; another range replaces them, the old layers going first so both are
+        never held at once."""
+        kv.check(self.config)
+        self.kv = kv
         if self.runner is not None and self.runner.parts.layer_range == layer_range:
-            self.runner = LayerRunner(self.runner.parts)
+            self.runner = LayerRunner(self.runner.parts, kv)
             self.state = self._describe()
             return self.state
         self.runner = None
@@ -76,7 +82,7 @@ class HeldLayers:
         mx.clear_cache()
         parts = load_model_parts(self.config.path, layer_range, with_ends=False, config=self.config)
         self._run_dtype = parts_dtype(parts)
-        self.runner = LayerRunner(parts)
+        self.runner = LayerRunner(parts, kv)
         self.state = self._describe()
         return self.state
 
@@ -140,7 +146,8 @@ class HeldLayers:
                 layer_range=None,
                 dtype=DTYPE_NAMES.get(dtype, str(dtype)),
                 layer_bytes=self._estimate,
-                kv_bytes_per_token=kv_bytes_per_token(self.config, dtype, 1),
+                kv_bytes_per_token=kv_bytes_per_token(self.config, dtype, 1, self.kv),
+                kv=self.kv,
             )
         parts = self.runner.parts
         dtype = self._run_dtype
@@ -148,5 +155,6 @@ class HeldLayers:
             layer_range=parts.layer_range,
             dtype=DTYPE_NAMES.get(dtype, str(dtype)),
             layer_bytes=loaded_layer_bytes(parts),
-            kv_bytes_per_token=kv_bytes_per_token(self.config, dtype, len(parts.layers)),
+            kv_bytes_per_token=kv_bytes_per_token(self.config, dtype, len(parts.layers), self.kv),
+            kv=self.kv,
         )

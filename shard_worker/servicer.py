@@ -18,8 +18,9 @@ import grpc
 
 from common import host_info
 from common.call_auth import MODEL_KEY, PROTOCOL_VERSION
-from common.errors import CheckpointError
+from common.errors import CheckpointError, WedlmError
 from common.grpc_services import MalformedRequest
+from common.kv_format import KVFormat
 from common.layer_range import LayerRange
 from common.layer_runner import RowsError
 from common.model_config import ModelConfig
@@ -264,7 +265,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             )
         self._check_in_model(wanted, context)  # a fetched model is known only now
         try:
-            self.mlx.submit(self.layers.load, wanted).result()
+            kv = KVFormat(request.kv_bits or None, request.kv_group_size or 64)
+            kv.check(self.config)
+        except WedlmError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            self.mlx.submit(self.layers.load, wanted, kv).result()
         except Exception as e:
             self._abort(context, e)
         finally:
@@ -335,6 +341,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             next_stage=self.route.plan.next_stage,
             fetches_layers=cache is not None,
             cache_bytes=cache.total_bytes() if cache is not None else 0,
+            kv_bits=state.kv.bits or 0,
+            kv_group_size=state.kv.group_size,
         )
 
     @staticmethod

@@ -177,8 +177,8 @@ def cluster_name() -> str:
     return f"test-{secrets.token_hex(4)}"
 
 
-def worker_kv_sequences(address: str, identity: str) -> int:
-    """How many sequences hold KV on a worker (its Info), asked as the coordinator would."""
+def worker_info(address: str, identity: str):
+    """A worker's Info, asked as the coordinator would."""
     import grpc
 
     from common.call_auth import call_metadata
@@ -186,9 +186,13 @@ def worker_kv_sequences(address: str, identity: str) -> int:
     from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(address) as channel:
-        info = pb_grpc.WorkerStub(channel).Info(
+        return pb_grpc.WorkerStub(channel).Info(
             pb.InfoRequest(),
             metadata=call_metadata(None, "/wedlm.v1.Worker/Info", identity),
             timeout=10,
         )
-    return info.kv_sequences
+
+
+def worker_kv_sequences(address: str, identity: str) -> int:
+    """How many sequences hold KV on a worker (its Info)."""
+    return worker_info(address, identity).kv_sequences

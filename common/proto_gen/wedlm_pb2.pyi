@@ -114,23 +114,27 @@ class ReleaseReply(_message.Message):
     def __init__(self, released: _Optional[int] = ..., kv_sequences: _Optional[int] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("layer_start", "layer_end", "model_source", "fetch_only")
+    __slots__ = ("layer_start", "layer_end", "model_source", "fetch_only", "kv_bits", "kv_group_size")
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     MODEL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     FETCH_ONLY_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     layer_start: int
     layer_end: int
     model_source: str
     fetch_only: bool
-    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model_source: _Optional[str] = ..., fetch_only: _Optional[bool] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model_source: _Optional[str] = ..., fetch_only: _Optional[bool] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype", "plan_epoch", "next_stage", "fetches_layers", "cache_bytes")
+    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype", "plan_epoch", "next_stage", "fetches_layers", "cache_bytes", "kv_bits", "kv_group_size")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +157,8 @@ class WorkerInfo(_message.Message):
     NEXT_STAGE_FIELD_NUMBER: _ClassVar[int]
     FETCHES_LAYERS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     protocol_version: int
@@ -175,7 +181,9 @@ class WorkerInfo(_message.Message):
     next_stage: str
     fetches_layers: bool
     cache_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ..., fetches_layers: _Optional[bool] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
+    kv_bits: int
+    kv_group_size: int
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ..., fetches_layers: _Optional[bool] = ..., cache_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
 
 class LayerManifestRequest(_message.Message):
     __slots__ = ("layers", "with_sha256", "node_id", "fetch_bytes", "received_bytes")

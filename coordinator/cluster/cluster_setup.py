@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from common.checkpoint_weights import layer_nbytes
+from common.kv_format import FULL, KVFormat
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
@@ -165,6 +166,7 @@ def assemble(
     local: LocalMember | None = None,
     epoch: int = 0,
     model_source: str = "",
+    kv: KVFormat = FULL,
 ) -> Assembly:
     """Probe, plan, assign and route. Every candidate gets an entry; the serving ones with
     layers, in layer order, form the chain behind the coordinator's own range. Raises
@@ -180,11 +182,12 @@ def assemble(
             continue
         e.layers = plan[e.address]
         current = LayerRange(e.info.layer_start, e.info.layer_end) if e.info.has_layers else None
-        if current != e.layers or e.info.model_identity != config.identity:
+        stored = KVFormat(e.info.kv_bits or None, e.info.kv_group_size or kv.group_size)
+        if current != e.layers or e.info.model_identity != config.identity or stored != kv:
             todo.append(e)
     if todo:  # workers load (and fetch) their ranges at the same time
         with ThreadPoolExecutor(len(todo)) as pool:
-            assigned = pool.map(lambda e: _assign(e, model_source), todo)
+            assigned = pool.map(lambda e: _assign(e, model_source, kv), todo)
             for e, info in zip(todo, assigned, strict=True):
                 e.info = info
     entries.sort(key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
@@ -207,9 +210,9 @@ def _fixed(entry: WorkerEntry) -> LayerRange | None:
     return LayerRange(info.layer_start, info.layer_end) if info.fixed_range else None
 
 
-def _assign(entry: WorkerEntry, model_source: str) -> pb.WorkerInfo:
+def _assign(entry: WorkerEntry, model_source: str, kv: KVFormat) -> pb.WorkerInfo:
     log.info("assigning layers %s to %s", entry.layers, entry.address)
-    return entry.link.assign(entry.layers.start, entry.layers.end, model_source)
+    return entry.link.assign(entry.layers.start, entry.layers.end, model_source, kv=kv)
 
 
 def prefetch(arrived: list[WorkerEntry], plan: dict[str, LayerRange], model_source: str) -> None:

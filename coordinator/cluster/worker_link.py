@@ -16,6 +16,7 @@ import grpc
 
 from common.call_auth import call_metadata
 from common.grpc_services import CHANNEL_OPTIONS
+from common.kv_format import FULL, KVFormat
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, open_channel
@@ -100,13 +101,15 @@ class WorkerLink:
         model_source: str = "",
         fetch_only: bool = False,
         timeout: float = ASSIGN_DEADLINE_S,
+        kv: KVFormat = FULL,
     ) -> pb.WorkerInfo:
         """Load layers start-end (a worker that fetches its layers first fetches the ones it
         lacks from `model_source`: hence the long deadline; a worker that dies meanwhile
         ends the call at once through the channel's keepalive)."""
         request = pb.AssignRequest(
-            layer_start=start, layer_end=end, model_source=model_source, fetch_only=fetch_only
-        )
+            layer_start=start, layer_end=end, model_source=model_source, fetch_only=fetch_only,
+            kv_bits=kv.bits or 0, kv_group_size=kv.group_size,
+        )  # fmt: skip
         return self._unary("Assign", request, timeout)
 
     def route(self, epoch: int, next_stage: str, prev_stage: str) -> pb.WorkerInfo:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import host_info
+from common.kv_format import FULL, KVFormat
 from common.model_parts import load_model_parts
 from common.tokenizer import Tokenizer
 from coordinator.engine.engine import Engine
@@ -31,14 +32,14 @@ class LocalEngine:
     tokenizer: Tokenizer
 
 
-def open_local_engine(model: str | Path, num_rows: int = 1) -> LocalEngine:
+def open_local_engine(model: str | Path, num_rows: int = 1, kv: KVFormat = FULL) -> LocalEngine:
     path = resolve_model(str(model))
     host_info.wire_model_memory()
     parts = load_model_parts(path)
     tokenizer = Tokenizer(path)
     engine = Engine(
         parts,
-        LocalPipeline(parts),
+        LocalPipeline(parts, kv),
         num_rows,
         text_tail=tokenizer.decode,
         stop_ids=tokenizer.stop_ids,

@@ -9,6 +9,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from common import host_info
+from common.kv_format import FULL, KVFormat
 from common.layer_range import LayerRange
 from common.layer_runner import LayerRunner
 from common.model_config import ModelConfig
@@ -16,9 +17,12 @@ from common.model_parts import ModelParts, load_model_parts
 
 
 class LocalLayers:
-    def __init__(self, config: ModelConfig, fixed: LayerRange | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, fixed: LayerRange | None = None, kv: KVFormat = FULL
+    ) -> None:
         self.config = config
         self.fixed = fixed  # --layers: the only range this coordinator takes
+        self.kv = kv  # how its KV is stored (--kv-bits)
         self.parts: ModelParts | None = None
 
     @property
@@ -39,7 +43,7 @@ class LocalLayers:
         """A runner over exactly `layer_range` with no KV (None: hold no layers). The same
         range keeps its weights; another drops the old layers before loading the new."""
         if layer_range is not None and self.layer_range == layer_range:
-            return LayerRunner(self.parts)
+            return LayerRunner(self.parts, self.kv)
         self.parts = None
         gc.collect()
         mx.clear_cache()
@@ -48,4 +52,4 @@ class LocalLayers:
         self.parts = load_model_parts(
             self.config.path, layer_range, with_ends=False, config=self.config
         )
-        return LayerRunner(self.parts)
+        return LayerRunner(self.parts, self.kv)

@@ -13,6 +13,7 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from common.kv_format import FULL, KVFormat
 from common.layer_runner import LayerRunner, select_slots
 from common.model_parts import ModelParts
 from common.rows_spec import RowsSpec
@@ -135,6 +136,6 @@ class StagePipeline:
 class LocalPipeline(StagePipeline):
     """Every layer in this process (the single-machine engine)."""
 
-    def __init__(self, parts: ModelParts) -> None:
-        super().__init__(LayerRunner(parts))
+    def __init__(self, parts: ModelParts, kv: KVFormat = FULL) -> None:
+        super().__init__(LayerRunner(parts, kv))
         self.runner = self.local

@@ -37,6 +37,8 @@ KEYS: dict[str, tuple[type, str]] = {
     "api_key_file": (str, "file holding the API key clients must send"),
     "served_model_name": (str, "the model's name in the APIs"),
     "draft_model": (str, "a small model drafting for speculative requests"),
+    "kv_bits": (int, "quantized KV bits (8 or 4)"),
+    "kv_group_size": (int, "quantized KV group size along the head dimension"),
     "default_max_tokens": (int, "max tokens of an HTTP request that names no limit"),
 }
 

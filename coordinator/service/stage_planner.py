@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass
 
 from common.errors import WedlmError
+from common.kv_format import FULL, KVFormat
 from common.model_config import ModelConfig
 from coordinator.cluster.cluster_setup import (
     LOCAL,
@@ -43,6 +44,7 @@ class PlanSettings:
     micro_batches: int  # 0: one per stage
     tls: object = None
     model_source: str = ""  # where workers fetch layers they lack (AssignRequest.model_source)
+    kv: KVFormat = FULL  # how every stage stores KV (--kv-bits)
 
 
 class StagePlanner:
@@ -89,6 +91,7 @@ class StagePlanner:
             local=self._local_member(),
             epoch=epoch,
             model_source=s.model_source,
+            kv=s.kv,
         )
         runner = self.local.hold(assembly.local) if self.local is not None else None
         links = assembly.links
