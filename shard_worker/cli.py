@@ -21,10 +21,11 @@ import os
 import re
 import signal
 import sys
-import threading
+import time
 from pathlib import Path
 
 PROG = "wedlm-worker"
+SIGNAL_POLL_S = 0.1  # how soon SIGTERM/SIGINT starts the shutdown
 log = logging.getLogger(PROG)
 
 
@@ -200,9 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     if secret is None and not is_loopback(args.host):
         log.warning("no cluster secret: anyone who can reach this port can use the worker")
 
-    stop = threading.Event()
+    # The handlers only append (no lock): an Event's set() would take the lock of the
+    # Event.wait that the signal interrupts on this same thread, and hang for good.
+    signalled: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _: signalled.append(signum))
     worker.start()
     layers = str(args.layers) if args.layers else "unassigned"
     print(
@@ -210,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(model {config.identity if config else 'from the coordinator'})",
         flush=True,
     )
-    while not stop.wait(0.5):
-        pass
+    while not signalled:
+        time.sleep(SIGNAL_POLL_S)
     worker.stop(grace=2.0)
     return 0
 

@@ -4,10 +4,15 @@ threads never touch it: they submit jobs here and wait on a Future.
 Forwards are pipelined jobs in two halves: `launch` builds the graph and starts the device,
 `finish` waits for it and hands the result on. When the next forward is already queued, it
 is launched before the previous one is finished, so the host builds micro-batch k+1 while
-the device computes k (as mlx-lm overlaps its steps in one process)."""
+the device computes k (as mlx-lm overlaps its steps in one process).
+
+Stopping waits for the thread to end, and the thread's last act is `release_mlx_thread`:
+MLX's per-thread state must be dropped on its own thread, before the interpreter shuts down
+(see there)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -18,9 +23,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.mlx_thread_exit import release_mlx_thread
+
 log = logging.getLogger(__name__)
 QUEUE_LIMIT = 64  # jobs waiting; more is overload, answered with RESOURCE_EXHAUSTED
 OVERLAP = 2  # pipelined jobs launched and not yet finished, at most
+STOP_TIMEOUT_S = 60.0  # for the jobs queued and the forwards launched, at stop
 
 
 class QueueFull(Exception):
@@ -90,15 +98,27 @@ class MLXThread:
         """Submit and wait (for setup work: loading layers before serving)."""
         return self.submit(fn, *args).result()
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> bool:
+        """Take no more work, finish what is queued and launched, then end the thread and
+        wait for it (up to `timeout` s): no MLX work may be left running when the process
+        exits. Returns whether the thread ended."""
         self._stopping = True
-        try:
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(queue.Full):  # the thread is stuck on a job: said below
             self._jobs.put(None, timeout=timeout)
-        except queue.Full:
-            return
-        self._thread.join(timeout)
+        self._thread.join(max(deadline - time.monotonic(), 0.0))
+        if self._thread.is_alive():
+            log.error("the MLX thread did not stop within %g s", timeout)
+            return False
+        return True
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            release_mlx_thread()
+
+    def _serve(self) -> None:
         launched: deque[tuple[_Pipelined, Any, float]] = deque()
         while True:
             try:  # with forwards on the device, take only work that is already here

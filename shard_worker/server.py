@@ -144,7 +144,9 @@ class WorkerServer:
             self.bonjour.start(self.advert())
 
     def stop(self, grace: float = 2.0) -> None:
-        """Withdraw the advertisement, finish calls in flight for `grace` s, stop MLX."""
+        """Withdraw the advertisement, finish calls in flight for `grace` s, then end the
+        MLX thread and wait for it: no MLX work may outlive this call (the process exits
+        next; see common/mlx_thread_exit.py)."""
         self.health.enter_graceful_shutdown()
         if self.bonjour:
             self.bonjour.close()

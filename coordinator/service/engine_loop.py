@@ -1,5 +1,6 @@
 """The thread that owns MLX in the coordinator: it takes new jobs and cancellations from a
-queue, ticks the engine, publishes each tick's commits to the jobs, and keeps the metrics."""
+queue, ticks the engine, publishes each tick's commits to the jobs, and keeps the metrics.
+Its last act is `release_mlx_thread`, and CoordinatorServer.stop joins it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from common.errors import WedlmError
+from common.mlx_thread_exit import release_mlx_thread
 from common.tokenizer import TextStream, Tokenizer
 from coordinator.engine.engine import Engine
 from coordinator.engine.pipeline import Pipeline
@@ -68,11 +70,18 @@ class EngineLoop(threading.Thread):
         self.inbox.put(("wake", None))
 
     def stop(self) -> None:
+        """Ask the thread to end after the tick in progress (join it to wait for that)."""
         self._stopping.set()
         self.inbox.put(("stop", None))
 
     # ---- the engine thread ---------------------------------------------------------
     def run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            release_mlx_thread()
+
+    def _serve(self) -> None:
         while not self._stopping.is_set():
             self._drain(block=not self.engine.has_work)
             if self._stopping.is_set():

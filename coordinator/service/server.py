@@ -21,8 +21,10 @@ from common import host_info
 from common.call_auth import ClusterAuthInterceptor
 from common.errors import WedlmError
 from common.grpc_services import MESSAGE_LIMIT, add_service, enable_reflection
+from common.kv_format import FULL, KVFormat
 from common.layer_range import LayerRange
 from common.layer_sizes import compute_dtype, kv_bytes_per_token
+from common.mlx_thread_exit import release_mlx_thread
 from common.model_parts import load_model_parts
 from common.proto_gen import wedlm_pb2 as pb
 from common.tls import TlsConfig, bind
@@ -51,6 +53,7 @@ from coordinator.service.stage_planner import PlanSettings, StagePlanner
 
 log = logging.getLogger(__name__)
 MODEL_SOURCE = "/wedlm.v1.ModelSource/"
+STOP_TIMEOUT_S = 60.0  # for the engine thread's tick in progress, at stop
 
 
 def source_address(host: str, port: int) -> str:
@@ -89,6 +92,7 @@ class ServeOptions:
     api_key: str | None = None  # clients must send it (HTTP and gRPC), if set
     served_model_name: str | None = None  # the model's name in the APIs (default: folder)
     draft_model: Path | None = None  # drafts for speculative requests (--draft-model)
+    kv: KVFormat = FULL  # how every stage stores KV (--kv-bits, --kv-group-size)
     default_max_tokens: int = 2048  # HTTP requests that name no limit
 
 
@@ -136,7 +140,8 @@ class CoordinatorServer:
         self.loop: EngineLoop | None = None
         self.state = "waiting-for-workers"
         self.waiting = ""  # what the first plan waits for
-        self.local = LocalLayers(self.config, opts.layers) if opts.local_layers else None
+        opts.kv.check(self.config)  # a group size that does not fit the model: refused now
+        self.local = LocalLayers(self.config, opts.layers, opts.kv) if opts.local_layers else None
         self.browser: WorkerBrowser | None = None
         self.planner: StagePlanner | None = None
         self.health = health.HealthServicer()
@@ -145,6 +150,7 @@ class CoordinatorServer:
         self.heartbeat: Heartbeat | None = None
         self.recovery_problem = ""
         self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []  # the planner's and watchers: joined at stop
         self.model_name = opts.served_model_name or opts.model.name
         # Workers' fetches carry the cluster's credentials; clients' calls the API key.
         interceptors = [
@@ -202,7 +208,12 @@ class CoordinatorServer:
         self.server.start()
         if self.http is not None:
             self.http.start()
-        threading.Thread(target=self._assemble, name="planner", daemon=True).start()
+        self._start_thread(self._assemble, "planner")
+
+    def _start_thread(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     @property
     def entries(self) -> list[WorkerEntry]:
@@ -215,7 +226,8 @@ class CoordinatorServer:
 
     def _assemble(self) -> None:
         """The planner thread: wait for a plan, then start serving (MLX is used here only
-        before the engine thread starts)."""
+        before the engine thread starts; the thread releases its MLX state before it says
+        it is ready)."""
         opts = self.opts
         try:
             if opts.bonjour:
@@ -230,12 +242,15 @@ class CoordinatorServer:
                 opts.micro_batches,
                 opts.tls,
                 model_source=source_address(opts.host, self.port),
+                kv=opts.kv,
             )
             self.planner = StagePlanner(settings, self.config, self.local, self.browser)
             pipeline, micro_batches = self._first_plan()
             self.engine.use_pipeline(pipeline, micro_batches)
             self._set_kv_budget()
             self.warm_up()
+            if self._stopping.is_set():  # stop() came during the plan: start no engine thread
+                raise WedlmError("stopped while planning")
             self.loop = EngineLoop(
                 self.engine, self.tokenizer, self.metrics, self.recover, on_replan=self._resume
             )
@@ -245,13 +260,14 @@ class CoordinatorServer:
             self.heartbeat = Heartbeat(self._current_pipeline)
             self.heartbeat.start()
             self.state = "serving"
-            threading.Thread(target=self._watch_readiness, name="readiness", daemon=True).start()
-            threading.Thread(target=self._watch_members, name="members", daemon=True).start()
+            self._start_thread(self._watch_readiness, "readiness")
+            self._start_thread(self._watch_members, "members")
         except Exception as e:  # whatever it was, say so: never "serve" without a pipeline
             self.failed = str(e) or type(e).__name__
             self.state = "failed"
             log.error("%s", self.failed)
         finally:
+            release_mlx_thread()
             self.ready.set()
 
     def _first_plan(self) -> tuple[StagePipeline, int]:
@@ -326,7 +342,8 @@ class CoordinatorServer:
         ]
         held = self.local.layer_range if self.local is not None else None
         if held is not None:
-            per_token = kv_bytes_per_token(self.config, compute_dtype(self.config), len(held))
+            dtype = compute_dtype(self.config)
+            per_token = kv_bytes_per_token(self.config, dtype, len(held), self.opts.kv)
             budgets.append(int(host_info.memory()[1] * headroom) // per_token)
         self.engine.scheduler.limits.kv_tokens = min(budgets) if budgets else None
         log.info("KV admission budget: %s tokens", self.engine.scheduler.limits.kv_tokens)
@@ -422,6 +439,10 @@ class CoordinatorServer:
         return f"listed workers not in the plan: {listed}" if listed else ""
 
     def stop(self, grace: float = 2.0) -> None:
+        """Stop serving, then end every thread this server started and wait for them: none
+        may still run MLX or gRPC calls when the interpreter shuts down (see
+        release_mlx_thread). The job store is closed last, after the engine thread's final
+        records."""
         self._stopping.set()
         if self.heartbeat is not None:
             self.heartbeat.stop()
@@ -429,8 +450,15 @@ class CoordinatorServer:
         if self.http is not None:
             self.http.stop()
         self.server.stop(grace).wait()
-        if self.loop is not None:
-            self.loop.stop()
+        for thread in self._threads:  # the planner first: it may still start the engine
+            thread.join(STOP_TIMEOUT_S)
+        for thread in (self.loop, self.heartbeat):  # whichever the planner started
+            if thread is not None:
+                thread.stop()
+                thread.join(STOP_TIMEOUT_S)
+        for thread in [*self._threads, self.loop, self.heartbeat]:
+            if thread is not None and thread.is_alive():
+                log.error("the %s thread did not stop within %g s", thread.name, STOP_TIMEOUT_S)
         if self.browser is not None:
             self.browser.close()
         pipeline = self.engine.pipeline

@@ -9,14 +9,17 @@ import logging
 import os
 import signal
 import sys
-import threading
+import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
 from common.errors import WedlmError
+from common.kv_format import KV_BITS, KV_GROUP_SIZES, KVFormat
 from common.layer_range import LayerRange
 from common.server_install import require_server_install
 from wedlm_client.client import API_KEY_ENV
+
+SIGNAL_POLL_S = 0.05  # how soon SIGTERM/SIGINT starts the drain
 
 
 def _port(text: str) -> int:
@@ -108,6 +111,20 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         "default: $WEDLM_API_KEY)",
     )
     p.add_argument("--served-model-name", help="the model's name in the APIs (default: folder)")
+    p.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_BITS,
+        help="store keys and values quantized to this many bits on every stage (default: "
+        "the model's dtype); attention then runs through mlx-lm's quantized path",
+    )
+    p.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=KV_GROUP_SIZES,
+        default=64,
+        help="quantization group along the head dimension, with --kv-bits",
+    )
     p.add_argument(
         "--draft-model",
         help="a small model with the served model's tokenizer, run on the coordinator to "
@@ -270,6 +287,7 @@ def serve_options(args: argparse.Namespace, **fixed):
         api_key=args.api_key or None,
         served_model_name=args.served_model_name,
         draft_model=resolve_model(args.draft_model) if args.draft_model else None,
+        kv=KVFormat(args.kv_bits, args.kv_group_size),
         default_max_tokens=args.default_max_tokens,
     )
     return ServeOptions(**{**shared, **fixed})
@@ -300,15 +318,18 @@ def serve(args: argparse.Namespace) -> int:
             f"wedlm-coordinator metrics on http://{args.host}:{server.metrics_port}/metrics",
             flush=True,
         )
-    stop = threading.Event()
+    # The handlers only append (no lock): an Event's set() would take the lock of the
+    # Event.wait that the signal interrupts on this same thread, and hang for good.
+    signalled: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _: signalled.append(signum))
     server.ready.wait()
     if server.failed:
         server.stop(0)
         raise WedlmError(server.failed)
     print(f"wedlm-coordinator serving {server.model_name}: {server.layout()}", flush=True)
-    stop.wait()
+    while not signalled:
+        time.sleep(SIGNAL_POLL_S)
     cancelled = server.drain(args.drain_timeout)
     print(f"wedlm-coordinator drained ({cancelled} unfinished jobs cancelled)", flush=True)
     server.stop()
