@@ -5,11 +5,14 @@ The coordinator chooses it (--kv-bits) and every stage stores its KV the same wa
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import mlx.core as mx
+from typing import TYPE_CHECKING
 
 from common.errors import WedlmError
-from common.model_config import ModelConfig
+
+if TYPE_CHECKING:  # the client install imports this module (the CLI's choices), without MLX
+    import mlx.core as mx
+
+    from common.model_config import ModelConfig
 
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
@@ -27,12 +30,15 @@ class KVFormat:
     group_size: int = 64
 
     def __post_init__(self) -> None:
-        if self.bits is not None and self.bits not in KV_BITS:
-            raise WedlmError(f"--kv-bits must be one of {', '.join(map(str, KV_BITS))}, "
-                             f"got {self.bits}")  # fmt: skip
+        if self.bits is None:
+            return  # the model's dtype: the group size means nothing
+        if self.bits not in KV_BITS:
+            raise WedlmError(
+                f"kv bits must be one of {', '.join(map(str, KV_BITS))}, got {self.bits}"
+            )
         if self.group_size not in KV_GROUP_SIZES:
             raise WedlmError(
-                f"--kv-group-size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
+                f"kv group size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
                 f"got {self.group_size}"
             )
 
@@ -45,7 +51,7 @@ class KVFormat:
         dim = head_dim(config)
         if self.quantized and dim % self.group_size:
             raise WedlmError(
-                f"--kv-group-size {self.group_size} does not divide this model's head "
+                f"kv group size {self.group_size} does not divide this model's head "
                 f"dimension {dim}: choose one of "
                 f"{', '.join(str(g) for g in KV_GROUP_SIZES if dim % g == 0) or 'none'}"
             )

@@ -536,7 +536,11 @@ def assign_expected(request: pb.AssignRequest) -> S | None:
         return S.OUT_OF_RANGE
     if request.fetch_only:  # this worker has its own model folder: it fetches nothing
         return S.FAILED_PRECONDITION
-    return None if (start, end) == (0, 1) else S.FAILED_PRECONDITION
+    if (start, end) != (0, 1):
+        return S.FAILED_PRECONDITION
+    # quantized KV: no group size of 32 or more divides the tiny model's head dim (16),
+    # and bits other than 4 and 8 are refused anyway
+    return S.INVALID_ARGUMENT if request.kv_bits else None
 
 
 ASSIGN_REQUESTS = st.one_of(

@@ -84,10 +84,11 @@ def test_rows_joining_and_leaving_keep_their_quantized_kv(model):
 
 
 def test_bad_settings_are_refused(model):
-    with pytest.raises(WedlmError, match="--kv-bits must be one of 4, 8"):
+    with pytest.raises(WedlmError, match="kv bits must be one of 4, 8"):
         KVFormat(3)
-    with pytest.raises(WedlmError, match="--kv-group-size must be one of"):
+    with pytest.raises(WedlmError, match="kv group size must be one of"):
         KVFormat(8, 48)
+    assert not KVFormat(None, 48).quantized  # full precision: the group size is unused
     with pytest.raises(WedlmError, match="does not divide this model's head dimension 64"):
         KVFormat(8, 128).check(load_model_config(model))
 
