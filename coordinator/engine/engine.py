@@ -311,7 +311,7 @@ class Engine:
                 is_mask,
                 chosen["threshold"],
                 chosen["penalty"],
-                chosen["offset"] if batch.any_speculative else None,
+                batch.selection_offsets(),
             )
         else:  # AR rows fill their one slot (an infinite threshold): exactly is_mask
             fills = is_mask

@@ -67,7 +67,7 @@ class Sequence:
         """Committed tokens whose KV is not stored yet (AR and speculative mode): the last
         one, plus the drafts a speculative forward accepted (their KV is recomputed with the
         next forward's rows, as WeDLM commits its filled run)."""
-        return (self.prompt + self.output)[self.kv_length :]
+        return self.output[max(self.kv_length - len(self.prompt), 0) :]
 
     def leading_filled(self) -> int:
         """p: the number of filled slots before the first mask (all of them if no mask)."""

@@ -39,6 +39,13 @@ class TickBatch:
         rows = [p.seq.params for p in self.plans]
         return mx.array([get(r) if r else default for r in rows], dtype=dtype)
 
+    def selection_offsets(self) -> mx.array | None:
+        """Per row, where a speculative row's draft candidates start among its head slots
+        (None when no row is speculative: WeDLM distances count from the first slot)."""
+        if not self.any_speculative:
+            return None
+        return mx.array([p.drafts + 2 if _speculative(p) else 0 for p in self.plans], mx.float32)
+
     def selection_arrays(self) -> dict[str, mx.array]:
         """WeDLM slot selection parameters per row. A speculative row's mask slots are
         selected as draft candidates: distances count from its second mask slot (the
@@ -51,9 +58,6 @@ class TickBatch:
                 mx.float32,
             ),
             "penalty": self._column(lambda r: r.penalty, 0.0, mx.float32),
-            "offset": mx.array(
-                [p.drafts + 2 if _speculative(p) else 0 for p in self.plans], mx.float32
-            ),
         }
 
     def sampling_arrays(self) -> dict[str, mx.array]:
