@@ -1,7 +1,12 @@
 """KV rows keyed by sequence id. A forward names its sequences; when they are exactly the
 rows of an existing batch (the common case: the same decode batch tick after tick) that
 batch is used as is, otherwise the rows are gathered into a new batch once. Membership
-changes (a sequence joins or leaves) cost one copy, steady decoding costs none."""
+changes (a sequence joins or leaves) cost one copy, steady decoding costs none.
+
+A sequence may start as a fork of another's rows (a prefix-cache hit: the coordinator
+keeps finished sequences' rows and names the one to copy). The fork is only recorded;
+the copy happens in the same gather that brings the new sequence into its first batch,
+so it costs nothing extra."""
 
 from __future__ import annotations
 
@@ -17,16 +22,37 @@ class KVStore:
         self.kv = kv
         self.batches: list[KVRows] = []
         self._where: dict[int, KVRows] = {}
+        self._forks: dict[int, tuple[int, int]] = {}  # new sequence -> (source, length)
 
     def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._where
+        return seq_id in self._where or seq_id in self._forks
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self._where) + len(self._forks)
 
     def length(self, seq_id: int) -> int:
+        if seq_id in self._forks:
+            return self._forks[seq_id][1]
         batch = self._where.get(seq_id)
         return 0 if batch is None else int(batch.lengths[batch.seq_ids.index(seq_id)])
+
+    def fork_problem(self, seq_id: int, source: int, length: int) -> str | None:
+        """Why `seq_id` cannot start from `source`'s first `length` rows (None: it can)."""
+        if seq_id in self:
+            return f"sequence {seq_id} already has KV here: only a new sequence can fork"
+        if source not in self._where:
+            return f"fork source {source} is not here (its KV was released)"
+        have = self.length(source)
+        if not 0 < length <= have:
+            return f"fork of {length} rows from sequence {source}, which holds {have}"
+        return None
+
+    def fork(self, seq_id: int, source: int, length: int) -> None:
+        """Let new sequence `seq_id` start with `source`'s first `length` rows."""
+        problem = self.fork_problem(seq_id, source, length)
+        if problem is not None:
+            raise ValueError(problem)
+        self._forks[seq_id] = (source, length)
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Forget a sequence's rows past `length` (they become stale: the next forward
@@ -43,14 +69,20 @@ class KVStore:
         batch = self._gather(list(seq_ids))
         for sid in seq_ids:
             self._where[sid] = batch
+            self._forks.pop(sid, None)
         self.batches.append(batch)
         return batch
 
     def release(self, seq_ids: list[int]) -> None:
+        gone = set(seq_ids)
+        for sid in gone & self._forks.keys():
+            del self._forks[sid]
+        waiting = [sid for sid, (src, _) in self._forks.items() if src in gone]
+        if waiting:  # their source leaves: copy their rows out first
+            self.rows_for(waiting)
         for batch in {
             id(self._where[s]): self._where[s] for s in seq_ids if s in self._where
         }.values():
-            gone = set(seq_ids)
             self._drop_rows(batch, [i for i, s in enumerate(batch.seq_ids) if s not in gone])
         for s in seq_ids:
             self._where.pop(s, None)
@@ -61,17 +93,28 @@ class KVStore:
         else:
             self.batches.remove(batch)
 
+    def _source(self, seq_id: int) -> tuple[KVRows, int, int] | None:
+        """Where a sequence's rows come from: (batch, row, length), None if it has none."""
+        source, length = self._forks.get(seq_id, (seq_id, None))
+        batch = self._where.get(source)
+        if batch is None:
+            return None
+        row = batch.seq_ids.index(source)
+        return batch, row, int(batch.lengths[row]) if length is None else length
+
     def _gather(self, seq_ids: list[int]) -> KVRows:
-        """A new batch with these rows, in this order; unknown sequences start empty. Per
-        layer it costs one concatenation of the source batches and one row gather (not an
-        op per row: a batch of 32 rows joined by one sequence is 4 ops a layer, not 64)."""
+        """A new batch with these rows, in this order; unknown sequences start empty and
+        forks start as a copy of their source's row. Per layer it costs one concatenation
+        of the source batches and one row gather (not an op per row: a batch of 32 rows
+        joined by one sequence is 4 ops a layer, not 64)."""
         new = KVRows(self.num_layers, len(seq_ids), seq_ids, self.kv)
-        sources = [self._where.get(s) for s in seq_ids]
-        batches = list({id(b): b for b in sources if b is not None}.values())
+        found = [self._source(s) for s in seq_ids]
+        sources = [(f[0], f[1]) if f is not None else None for f in found]
+        batches = list({id(f[0]): f[0] for f in found if f is not None}.values())
         new.capacity = max((b.capacity for b in batches), default=0)
-        for row, (src, sid) in enumerate(zip(sources, seq_ids, strict=True)):
-            if src is not None:
-                new.lengths[row] = src.lengths[src.seq_ids.index(sid)]
+        for row, f in enumerate(found):
+            if f is not None:
+                new.lengths[row] = f[2]
         for layer in range(self.num_layers):
             stored = [b.layers[layer] for b in batches if b.layers[layer].keys is not None]
             if not stored:
@@ -81,10 +124,10 @@ class KVStore:
                 taken = []
                 for i, part in enumerate(parts_of(template)):
                     arrays = [(b, _part(getattr(b.layers[layer], name), i)) for b in batches]
-                    taken.append(_take_rows(arrays, sources, seq_ids, part, new.capacity))
+                    taken.append(_take_rows(arrays, sources, part, new.capacity))
                 setattr(new.layers[layer], name, like(template, taken))
-        # Rows that moved leave their old batches.
-        moved = set(seq_ids)
+        # Rows that moved leave their old batches (a fork's source stays where it is).
+        moved = {s for s in seq_ids if s in self._where}
         for src in batches:
             self._drop_rows(src, [i for i, s in enumerate(src.seq_ids) if s not in moved])
         return new
@@ -94,9 +137,10 @@ def _part(stored, index: int):
     return None if stored is None else parts_of(stored)[index]
 
 
-def _take_rows(parts, sources, seq_ids, template: mx.array, capacity: int) -> mx.array:
-    """Rows `seq_ids` from the source batches' arrays [rows, heads, capacity, dim] (padded
-    to `capacity`), zeros for sequences that have none yet."""
+def _take_rows(parts, sources, template: mx.array, capacity: int) -> mx.array:
+    """Rows `sources` ((batch, row) each, or None) from the source batches' arrays
+    [rows, heads, capacity, dim] (padded to `capacity`), zeros for sequences that have
+    none yet."""
     blocks, at, index = [], {}, 0
     for batch, array in parts:
         if array is None:  # a batch that never ran this layer: its rows are empty
@@ -108,11 +152,11 @@ def _take_rows(parts, sources, seq_ids, template: mx.array, capacity: int) -> mx
         index += array.shape[0]
     zero = index  # one row of zeros after the stored rows, for the empty ones
     rows = []
-    for src, sid in zip(sources, seq_ids, strict=True):
-        if src is None or id(src) not in at:
+    for src in sources:
+        if src is None or id(src[0]) not in at:
             rows.append(zero)
         else:
-            rows.append(at[id(src)] + src.seq_ids.index(sid))
+            rows.append(at[id(src[0])] + src[1])
     if zero in rows:
         shape = (1, template.shape[1], capacity, template.shape[3])
         blocks.append(mx.zeros(shape, template.dtype))

@@ -62,7 +62,16 @@ class LayerRunner:
             raise RowsError(
                 "OUT_OF_RANGE", f"positions must stay within the context of {self.max_positions}"
             )
+        forked = self._check_forks(spec)
         for sid, start in zip(spec.seq_ids, spec.starts, strict=True):
+            if sid in forked:
+                if forked[sid] != start:
+                    raise RowsError(
+                        "INVALID_ARGUMENT",
+                        f"sequence {sid} forks {forked[sid]} rows but its window starts at "
+                        f"{int(start)}",
+                    )
+                continue
             have = self.store.length(sid)
             if sid not in self.store and start != 0:
                 raise RowsError("NOT_FOUND", f"unknown sequence {sid} (its KV is not here)")
@@ -72,11 +81,32 @@ class LayerRunner:
                     f"sequence {sid} has {have} KV rows here, the request says {int(start)}",
                 )
 
+    def _check_forks(self, spec: RowsSpec) -> dict[int, int]:
+        """The forks' new sequences and their lengths, once each is known to be possible."""
+        forked: dict[int, int] = {}
+        rows = set(spec.seq_ids)
+        for sid, source, length in spec.forks:
+            if sid not in rows:
+                raise RowsError("INVALID_ARGUMENT", f"fork into {sid}, which is not a row")
+            if sid in forked or source in rows:
+                raise RowsError(
+                    "INVALID_ARGUMENT", f"fork {source} -> {sid}: each row forks once, "
+                    "from a sequence that is not in the forward",
+                )  # fmt: skip
+            problem = self.store.fork_problem(sid, source, length)
+            if problem is not None:
+                code = "NOT_FOUND" if source not in self.store else "FAILED_PRECONDITION"
+                raise RowsError(code, problem)
+            forked[sid] = length
+        return forked
+
     def forward(self, spec: RowsSpec, hidden: mx.array, validate: bool = True) -> mx.array:
         """`validate=False` only for specs this process built itself (the in-process
         pipeline): a worker checks every request it receives."""
         if validate:
             self.check(spec, hidden.shape)
+        for sid, source, length in spec.forks:
+            self.store.fork(sid, source, length)
         kv = self.store.rows_for(spec.seq_ids)
         out = run_layers(self.parts, hidden, kv, spec.windows())
         kv.commit(spec.keeps)

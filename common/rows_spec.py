@@ -1,10 +1,11 @@
 """What every process needs to know about the rows of one forward, besides hidden states:
 which sequence each row belongs to, where its window starts, which slots are filled, and how
-many leading rows become permanent KV. It travels on the wire to every worker."""
+many leading rows become permanent KV, and which rows start as copies of rows a process
+already holds. It travels on the wire to every worker."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -18,6 +19,9 @@ class RowsSpec:
     widths: np.ndarray  # [B] window rows of each sequence (<= width)
     filled: np.ndarray  # [B, T] False for WeDLM mask slots (and for padding)
     keeps: np.ndarray  # [B] leading rows that become permanent KV after this forward
+    # (seq_id, source, length): before the forward, seq_id takes the first `length` KV rows
+    # of `source`, a sequence whose rows this process keeps (a prefix-cache hit)
+    forks: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def width(self) -> int:

@@ -76,7 +76,24 @@ def rows_spec(
         widths=np.array(request.widths, dtype=np.int64),
         filled=filled.astype(bool),
         keeps=np.array(request.keep, dtype=np.int64),
+        forks=_forks(request, b, max_positions),
     )
+
+
+def _forks(request, rows: int, max_positions: int) -> list[tuple[int, int, int]]:
+    """The request's forks, each a (new sequence, source, rows) whose length is possible;
+    what depends on the KV held here is LayerRunner's check."""
+    if len(request.forks) > rows:
+        raise _invalid(f"{len(request.forks)} forks for {rows} rows: at most one per row")
+    forks = []
+    for f in request.forks:
+        if not 0 < f.length < max_positions:
+            raise _invalid(
+                f"fork {f.source} -> {f.seq_id} copies {f.length} rows; a fork copies "
+                f"between 1 and {max_positions - 1}"
+            )
+        forks.append((int(f.seq_id), int(f.source), int(f.length)))
+    return forks
 
 
 def reply_slots(request: pb.ForwardRequest, spec: RowsSpec) -> np.ndarray | None:

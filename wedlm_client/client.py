@@ -49,6 +49,7 @@ def final_dict(final: pb.Final) -> dict[str, Any]:
         "decode_tokens_per_s": (len(final.tokens) / stats.decode_s) if stats.decode_s else None,
         "drafted_tokens": stats.drafted_tokens,
         "accepted_drafts": stats.accepted_drafts,
+        "cached_tokens": stats.cached_tokens,
     }
     if final.error:
         record["error"] = final.error

@@ -38,7 +38,24 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append(f"    {w['detail']}")
     for f in status.get("fetches", []):
         lines.append(format_fetch(f))
+    if "prefix_cache" in status:
+        lines.append(format_prefix_cache(status["prefix_cache"]))
     return "\n".join(lines)
+
+
+def format_prefix_cache(cache: dict[str, Any]) -> str:
+    """`prefix cache: 3 entries, 2,048/65,536 tokens; 5 hits of 9 requests (1,900 tokens
+    not prefilled), 1 eviction` (64-bit counts arrive as strings from MessageToDict)."""
+    if not cache.get("enabled"):
+        return "prefix cache: off"
+    n = {k: int(cache.get(k, 0)) for k in (
+        "entries", "tokens", "capacity_tokens", "lookups", "hits", "hit_tokens", "evictions"
+    )}  # fmt: skip
+    return (
+        f"prefix cache: {n['entries']} entries, {n['tokens']:,}/{n['capacity_tokens']:,} "
+        f"tokens; {n['hits']} hits of {n['lookups']} requests ({n['hit_tokens']:,} tokens "
+        f"not prefilled), {n['evictions']} evictions"
+    )
 
 
 def format_fetch(fetch: dict[str, Any]) -> str:

@@ -36,7 +36,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("batch_id", "seq_ids", "committed", "widths", "keep", "filled", "positions", "hidden", "reply_rows", "plan_epoch", "stage_compute_s")
+    __slots__ = ("batch_id", "seq_ids", "committed", "widths", "keep", "filled", "positions", "hidden", "reply_rows", "plan_epoch", "stage_compute_s", "forks")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class ForwardRequest(_message.Message):
     REPLY_ROWS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STAGE_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    FORKS_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     committed: _containers.RepeatedScalarFieldContainer[int]
@@ -59,7 +60,18 @@ class ForwardRequest(_message.Message):
     reply_rows: RowSelection
     plan_epoch: int
     stage_compute_s: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., committed: _Optional[_Iterable[int]] = ..., widths: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., filled: _Optional[bytes] = ..., positions: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., reply_rows: _Optional[_Union[RowSelection, _Mapping]] = ..., plan_epoch: _Optional[int] = ..., stage_compute_s: _Optional[_Iterable[float]] = ...) -> None: ...
+    forks: _containers.RepeatedCompositeFieldContainer[KVFork]
+    def __init__(self, batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., committed: _Optional[_Iterable[int]] = ..., widths: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., filled: _Optional[bytes] = ..., positions: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., reply_rows: _Optional[_Union[RowSelection, _Mapping]] = ..., plan_epoch: _Optional[int] = ..., stage_compute_s: _Optional[_Iterable[float]] = ..., forks: _Optional[_Iterable[_Union[KVFork, _Mapping]]] = ...) -> None: ...
+
+class KVFork(_message.Message):
+    __slots__ = ("seq_id", "source", "length")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    source: int
+    length: int
+    def __init__(self, seq_id: _Optional[int] = ..., source: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class RowSelection(_message.Message):
     __slots__ = ("per_row", "slots")
@@ -288,7 +300,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., window: _Optional[int] = ..., threshold: _Optional[float] = ..., one_by_one: _Optional[bool] = ..., penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., deadline_s: _Optional[float] = ..., draft: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "forwards", "tokens_per_forward", "prefill_s", "decode_s", "queue_s", "drafted_tokens", "accepted_drafts")
+    __slots__ = ("prompt_tokens", "completion_tokens", "forwards", "tokens_per_forward", "prefill_s", "decode_s", "queue_s", "drafted_tokens", "accepted_drafts", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +310,7 @@ class GenerationStats(_message.Message):
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     forwards: int
@@ -307,7 +320,8 @@ class GenerationStats(_message.Message):
     queue_s: float
     drafted_tokens: int
     accepted_drafts: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_per_forward: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_per_forward: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "tokens", "text", "stats", "error")
@@ -396,7 +410,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., address: _Optional[str] = ..., source: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ...) -> None: ...
 
 class ClusterStatusReply(_message.Message):
-    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches")
+    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches", "prefix_cache")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -407,6 +421,7 @@ class ClusterStatusReply(_message.Message):
     LOCAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FETCHES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     state: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -417,7 +432,30 @@ class ClusterStatusReply(_message.Message):
     local_layers: str
     plan_epoch: int
     fetches: _containers.RepeatedCompositeFieldContainer[LayerFetch]
-    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ...) -> None: ...
+    prefix_cache: PrefixCacheStatus
+    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ...) -> None: ...
+
+class PrefixCacheStatus(_message.Message):
+    __slots__ = ("enabled", "entries", "tokens", "capacity_tokens", "lookups", "hits", "hit_tokens", "evictions", "block_tokens")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    entries: int
+    tokens: int
+    capacity_tokens: int
+    lookups: int
+    hits: int
+    hit_tokens: int
+    evictions: int
+    block_tokens: int
+    def __init__(self, enabled: _Optional[bool] = ..., entries: _Optional[int] = ..., tokens: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., lookups: _Optional[int] = ..., hits: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., evictions: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class LayerFetch(_message.Message):
     __slots__ = ("node_id", "peer", "bytes_done", "bytes_total", "bytes_per_s", "eta_s")

@@ -101,7 +101,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Drop the KV rows of finished or cancelled sequences.
+        """Drop the KV rows of finished or cancelled sequences (and of evicted prefix-cache
+        entries: the coordinator keeps finished sequences' rows as its prefix cache).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -52,6 +52,7 @@ def forward_header(
         filled=np.ascontiguousarray(spec.filled, dtype=np.uint8).tobytes(),
         positions=spec.starts.tolist(),
         plan_epoch=plan_epoch,
+        forks=[pb.KVFork(seq_id=d, source=s, length=n) for d, s, n in spec.forks],
     )
     if reply_slots is not None:
         header.reply_rows.per_row = reply_slots.shape[1]

@@ -19,6 +19,7 @@ from common.generation_params import MAX_FORWARD_ROWS, GenerationParams
 from common.model_parts import ModelParts
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, row_bucket
 from coordinator.engine.pipeline import Pipeline
+from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.row_plan import RowPlan, plan_speculative
 from coordinator.engine.sampling import greedy_tokens, sample_tokens
 from coordinator.engine.scheduler import Commit, Limits, Scheduler
@@ -48,6 +49,7 @@ class Engine:
         stop_ids: tuple[int, ...] = (),
         micro_batches: int = 1,
         limits: Limits | None = None,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.parts = parts
         self.config = parts.config
@@ -57,7 +59,11 @@ class Engine:
         limits = replace(limits or Limits(), max_running=num_rows)
         self.prefill_chunk = limits.prefill_chunk
         self.scheduler = Scheduler(
-            limits, micro_batches, self.config.mask_token_id, self.config.max_position_embeddings
+            limits,
+            micro_batches,
+            self.config.mask_token_id,
+            self.config.max_position_embeddings,
+            cache=prefix_cache,
         )
         self.in_flight: deque[InFlight] = deque()
         self._ids = itertools.count()
@@ -73,12 +79,24 @@ class Engine:
     def use_pipeline(self, pipeline: Pipeline, micro_batches: int) -> None:
         """Switch to another pipeline (e.g. once the workers are planned). Call while idle."""
         assert not self.in_flight and not self.scheduler.running, "the engine is busy"
+        cached = self._drop_cache()  # the new stages may split the layers differently
+        if cached:
+            self.pipeline.release(cached)
         self.pipeline = pipeline
         self.micro_batches = micro_batches
         s = self.scheduler
         s.groups_count = micro_batches
         s.groups = [[] for _ in range(micro_batches)]
         self._padding.clear()
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.scheduler.cache
+
+    def _drop_cache(self) -> list[int]:
+        """Forget the prefix cache; returns the ids whose rows stages may still hold."""
+        cache = self.scheduler.cache
+        return cache.clear() if cache is not None else []
 
     @property
     def running(self) -> list[Sequence]:
@@ -159,11 +177,29 @@ class Engine:
             self.undelivered += commits
             raise
         done = self.scheduler.reap({p.seq.seq_id for f in self.in_flight for p in f.plans})
-        if done:  # their ids are never used again: the workers may drop them at leisure
-            self.pipeline.release([s.seq_id for s in done], wait=False)
-            if self.drafter is not None:
-                self.drafter.release([s.seq_id for s in done])
+        gone = self._keep_cached(done)
+        if gone:  # their ids are never used again: the workers may drop them at leisure
+            self.pipeline.release(gone, wait=False)
+        if done and self.drafter is not None:
+            self.drafter.release([s.seq_id for s in done])
         return commits
+
+    def _keep_cached(self, done: list[Sequence]) -> list[int]:
+        """Hand finished sequences' KV rows to the prefix cache; returns the ids whose rows
+        the stages may drop (not kept, or evicted for room)."""
+        cache = self.scheduler.cache
+        if cache is None:
+            return [s.seq_id for s in done]
+        untrusted = []
+        for seq in done:
+            if seq.prefix is not None:
+                cache.unpin(seq.prefix)
+            tokens = seq.cacheable()
+            if tokens is None:
+                untrusted.append(seq.seq_id)
+            else:
+                cache.insert(seq.seq_id, tokens, self.scheduler.limits.kv_tokens)
+        return untrusted + cache.take_dropped()
 
     def use_drafter(self, drafter) -> None:
         """Propose speculative drafts with this DraftModel (draft source "model")."""
@@ -177,6 +213,9 @@ class Engine:
         batch_id = next(self._batch_ids)
         self.shapes.record(batch.spec)
         self.pipeline.submit(batch_id, batch.spec, hidden, batch.reply_slots())
+        for plan in plans:  # the stages copy cached rows as this forward reaches them
+            if plan.seq.prefix is not None:
+                plan.seq.prefix.sent = True
         self.in_flight.append(InFlight(batch_id, unit, plans, batch, started))
 
     def _with_model_drafts(self, plans: list[RowPlan]) -> list[RowPlan]:
@@ -242,9 +281,18 @@ class Engine:
         commits += self.scheduler.postprocess(
             flight.unit, flight.plans, np.array(fills), np.array(tokens), flight.started
         )
+        self._unpin_forks(flight.plans)
         if ahead:
             self.scheduler.busy.add(flight.unit)
         return commits
+
+    def _unpin_forks(self, plans: list[RowPlan]) -> None:
+        """Every stage has run these forwards: their forks' sources may be evicted now."""
+        cache = self.scheduler.cache
+        if cache is not None:
+            for plan in plans:
+                if plan.seq.prefix is not None and plan.seq.prefix.pinned:
+                    cache.unpin(plan.seq.prefix)
 
     def _launch_ahead(self, flight: InFlight, tokens: mx.array) -> bool:
         """For a micro-batch of autoregressive decode rows, launch the next forward from the
@@ -337,6 +385,7 @@ class Engine:
         so every live sequence re-prefills its committed history, then decodes on."""
         stale = [s.seq_id for s in self.scheduler.running]
         stale += [i for ids in self._padding.values() for i in ids]
+        stale += self._drop_cache()  # rebuilt by use, never trusted stale
         pipeline.release(stale)  # surviving workers may still hold rows of these
         self.in_flight.clear()
         self._padding.clear()
@@ -367,6 +416,7 @@ class Engine:
         """Finish every running sequence with an error (a forward was lost)."""
         self.in_flight.clear()
         self._padding.clear()
+        self._drop_cache()
         return self.scheduler.fail_all()
 
     # ---- convenience ------------------------------------------------------------------

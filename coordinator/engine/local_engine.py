@@ -11,6 +11,7 @@ from common.model_parts import load_model_parts
 from common.tokenizer import Tokenizer
 from coordinator.engine.engine import Engine
 from coordinator.engine.pipeline import LocalPipeline
+from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.model_source.hub_model import download_model, looks_like_repo_id
 
 
@@ -32,7 +33,12 @@ class LocalEngine:
     tokenizer: Tokenizer
 
 
-def open_local_engine(model: str | Path, num_rows: int = 1, kv: KVFormat = FULL) -> LocalEngine:
+def open_local_engine(
+    model: str | Path,
+    num_rows: int = 1,
+    kv: KVFormat = FULL,
+    prefix_cache: PrefixCache | None = None,
+) -> LocalEngine:
     path = resolve_model(str(model))
     host_info.wire_model_memory()
     parts = load_model_parts(path)
@@ -43,5 +49,6 @@ def open_local_engine(model: str | Path, num_rows: int = 1, kv: KVFormat = FULL)
         num_rows,
         text_tail=tokenizer.decode,
         stop_ids=tokenizer.stop_ids,
+        prefix_cache=prefix_cache,
     )
     return LocalEngine(engine, tokenizer)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from common.errors import WedlmError
 from coordinator.engine.forward_shapes import padded_width, row_bucket
+from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.row_plan import RowPlan, apply_result, plan_next
 from coordinator.engine.sequence import Phase, Sequence
 
@@ -49,6 +50,7 @@ class Scheduler:
     running: list[Sequence] = field(default_factory=list)
     groups: list[list[Sequence]] = field(default_factory=list)
     busy: set[int] = field(default_factory=set)  # unit keys with a micro-batch in flight
+    cache: PrefixCache | None = None  # finished sequences' KV rows, reused by new prompts
     _turn: int = 0
 
     def __post_init__(self) -> None:
@@ -84,18 +86,32 @@ class Scheduler:
 
     def admit(self) -> None:
         """Start waiting sequences while slots and KV memory allow; the rest keep waiting
-        (admission by measured free memory: overload queues instead of crashing)."""
+        (admission by measured free memory: overload queues instead of crashing). Cached
+        KV counts like running KV, and is evicted when a request needs its room."""
         budget = self.limits.kv_tokens
         in_use = self.kv_in_use() if budget is not None else 0
+        cache = self.cache
         while self.waiting and len(self.running) < self.limits.max_running:
             seq = self.waiting[0]
             if seq.finished:  # cancelled while queued
                 self.waiting.popleft()
                 continue
-            if budget is not None and in_use + self.kv_need(seq) > budget and self.running:
-                return
+            hit = cache.find(seq.prompt) if cache is not None and not seq.rebuild_to else None
+            if budget is not None:
+                need = in_use + self.kv_need(seq)
+                if cache is not None and need + cache.tokens > budget:
+                    spare = hit.source if hit is not None else None  # the room is made around it
+                    cache.shrink(max(budget - need, 0), spare=spare)
+                cached = cache.tokens if cache is not None else 0
+                if need + cached > budget and self.running:
+                    return
             self.waiting.popleft()
             in_use += self.kv_need(seq)
+            if cache is not None:
+                cache.stats.lookups += 1
+                if hit is not None:
+                    cache.take(hit)
+                    seq.start_from(hit)
             seq.phase = Phase.PREFILL
             self.running.append(seq)
 

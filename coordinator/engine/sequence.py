@@ -9,6 +9,7 @@ from enum import Enum
 import numpy as np
 
 from common.generation_params import GenerationParams
+from coordinator.engine.prefix_cache import PrefixHit
 
 
 class Phase(Enum):
@@ -28,6 +29,8 @@ class Sequence:
     kv_length: int = 0  # rows of permanent KV (prompt + committed, minus AR's last token)
     prefilled: int = 0  # prompt tokens already in the KV
     rebuild_to: int = 0  # > 0 while re-prefilling committed history after a worker loss
+    prefix: PrefixHit | None = None  # the cached rows it starts from (prefix cache)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # WeDLM window, in logical slot order: slot i sits at position kv_length + i.
     window_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     window_filled: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
@@ -60,8 +63,23 @@ class Sequence:
             self.rebuild_to = self.kv_length
         self.kv_length = 0
         self.prefilled = 0
+        self.prefix = None  # the cache is dropped with the stages' KV: all is rebuilt
+        self.cached_tokens = 0
         if not self.finished:
             self.phase = Phase.PREFILL
+
+    def start_from(self, hit: PrefixHit) -> None:
+        """Start with `hit.length` prompt rows already in the KV (copied from the cache
+        by the first forward)."""
+        self.prefix = hit
+        self.kv_length = self.prefilled = self.cached_tokens = hit.length
+
+    def cacheable(self) -> list[int] | None:
+        """The tokens whose KV the stages hold for this finished sequence, or None when
+        they hold none that can be trusted (it failed, or its fork never ran)."""
+        if self.finish_reason == "error" or (self.prefix is not None and not self.prefix.sent):
+            return None
+        return (self.prompt + self.output)[: self.kv_length]
 
     def pending(self) -> list[int]:
         """Committed tokens whose KV is not stored yet (AR and speculative mode): the last

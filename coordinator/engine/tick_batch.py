@@ -142,5 +142,10 @@ def build_batch(plans: list[RowPlan], padding_ids: list[int] = ()) -> TickBatch:
         widths=np.array([p.width for p in plans] + [1] * pad, dtype=np.int64),
         filled=filled,
         keeps=np.array([p.keep for p in plans] + [0] * pad, dtype=np.int64),
+        forks=[
+            (p.seq.seq_id, p.seq.prefix.source, p.seq.prefix.length)
+            for p in plans
+            if p.seq.prefix is not None and not p.seq.prefix.sent
+        ],
     )
     return TickBatch(plans, tokens, spec, head_slots, head_is_mask)

@@ -81,7 +81,11 @@ def warm_up(
         if warmer.used:
             engine.pipeline.release(warmer.used)
     if bursts and not (engine.scheduler.running or engine.scheduler.waiting):
-        _bursts(engine, buckets, next(iter(windows), 16), warmer.wedlm)
+        cache, engine.scheduler.cache = engine.scheduler.cache, None  # keeps no warm-up text
+        try:
+            _bursts(engine, buckets, next(iter(windows), 16), warmer.wedlm)
+        finally:
+            engine.scheduler.cache = cache
     report = WarmUpReport(
         forwards=warmer.forwards,
         shapes=len(warmer.keys),

@@ -95,6 +95,8 @@ def _usage(result: dict[str, Any]) -> dict[str, Any]:
     prompt, completion = result["prompt_tokens"], len(result["tokens"])
     usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                              "total_tokens": prompt + completion}  # fmt: skip
+    # OpenAI's field for prompt tokens served from a cache
+    usage["prompt_tokens_details"] = {"cached_tokens": result.get("cached_tokens", 0)}
     drafted = result.get("drafted_tokens", 0)
     if drafted:  # speculative mode: OpenAI's fields for verified predictions
         accepted = result["accepted_drafts"]

@@ -9,12 +9,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from common.errors import WedlmError
 from common.mlx_thread_exit import release_mlx_thread
 from common.tokenizer import TextStream, Tokenizer
 from coordinator.engine.engine import Engine
 from coordinator.engine.pipeline import Pipeline
+from coordinator.engine.prefix_cache import CacheStats
 from coordinator.engine.scheduler import QueueFull
 from coordinator.engine.sequence import Phase, Sequence
 from coordinator.service.jobs import Job
@@ -55,6 +57,7 @@ class EngineLoop(threading.Thread):
         self._replan: str | None = None  # why the pipeline should be planned anew
         self.ticks = 0
         self.last_progress = time.monotonic()
+        self._cache_seen = CacheStats()  # prefix-cache counts already exported
 
     # ---- called from gRPC threads --------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -215,6 +218,16 @@ class EngineLoop(threading.Thread):
         for link in getattr(engine.pipeline, "links", []):
             for value in link.stats.drain_new():
                 m.worker_compute.labels(link.address).observe(value)
+        cache = engine.prefix_cache
+        if cache is not None:
+            m.prefix_cache_tokens.set(cache.tokens)
+            m.prefix_cache_entries.set(len(cache.entries))
+            now, seen = cache.stats, self._cache_seen
+            m.prefix_cache_queries.inc(now.lookups - seen.lookups)
+            m.prefix_cache_hits.inc(now.hits - seen.hits)
+            m.prefix_cache_hit_tokens.inc(now.hit_tokens - seen.hit_tokens)
+            m.prefix_cache_evictions.inc(now.evictions - seen.evictions)
+            self._cache_seen = replace(now)
 
     def _finish(self, seq: Sequence, state: str, error: str = "") -> None:
         live = self._live.pop(seq.seq_id, None)

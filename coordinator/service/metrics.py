@@ -83,6 +83,32 @@ class Metrics:
             buckets=(0, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16),
             registry=r,
         )
+        self.prefix_cache_queries = Counter(
+            "wedlm:prefix_cache_queries",
+            "Requests started while the prefix cache was on (each looks for a cached prefix).",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "wedlm:prefix_cache_hits", "Requests that started from cached KV rows.", registry=r
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "wedlm:prefix_cache_hit_tokens",
+            "Prompt tokens whose KV came from the prefix cache (not prefilled).",
+            registry=r,
+        )
+        self.prefix_cache_evictions = Counter(
+            "wedlm:prefix_cache_evictions",
+            "Prefix-cache entries evicted for room (least recently used first).",
+            registry=r,
+        )
+        self.prefix_cache_tokens = Gauge(
+            "wedlm:prefix_cache_tokens", "KV rows the prefix cache holds.", registry=r
+        )
+        self.prefix_cache_entries = Gauge(
+            "wedlm:prefix_cache_entries",
+            "Finished requests whose KV rows the prefix cache keeps.",
+            registry=r,
+        )
         self.worker_compute = Histogram(
             "wedlm:worker_compute_seconds",
             "Layer compute time per forward on each worker.",

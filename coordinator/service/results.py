@@ -21,6 +21,7 @@ def result_record(seq: Sequence, text: str, error: str = "") -> dict[str, Any]:
         "decode_tokens_per_s": len(seq.output) / seq.decode_s if seq.decode_s else None,
         "drafted_tokens": seq.drafted,
         "accepted_drafts": seq.accepted,
+        "cached_tokens": seq.cached_tokens,
     }
     if error:
         record["error"] = error
@@ -41,5 +42,6 @@ def error_record(prompt_tokens: int, message: str) -> dict[str, Any]:
         "decode_tokens_per_s": None,
         "drafted_tokens": 0,
         "accepted_drafts": 0,
+        "cached_tokens": 0,
         "error": message,
     }

@@ -39,6 +39,8 @@ KEYS: dict[str, tuple[type, str]] = {
     "draft_model": (str, "a small model drafting for speculative requests"),
     "kv_bits": (int, "quantized KV bits (8 or 4)"),
     "kv_group_size": (int, "quantized KV group size along the head dimension"),
+    "prefix_cache": (bool, "reuse finished requests' KV for prompts that start the same way"),
+    "prefix_cache_tokens": (int, "KV rows the prefix cache may keep"),
     "default_max_tokens": (int, "max tokens of an HTTP request that names no limit"),
 }
 

@@ -37,6 +37,7 @@ from coordinator.cluster.worker_link import WorkerCallError
 from coordinator.engine.engine import Engine, Limits
 from coordinator.engine.local_layers import LocalLayers
 from coordinator.engine.pipeline import StagePipeline
+from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.warmup import warm_up
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.http_server import HttpServer
@@ -93,6 +94,8 @@ class ServeOptions:
     served_model_name: str | None = None  # the model's name in the APIs (default: folder)
     draft_model: Path | None = None  # drafts for speculative requests (--draft-model)
     kv: KVFormat = FULL  # how every stage stores KV (--kv-bits, --kv-group-size)
+    prefix_cache: bool = True  # keep finished requests' KV for later prompts (--no-prefix-cache)
+    prefix_cache_tokens: int | None = None  # its budget (None: a share of the KV budget)
     default_max_tokens: int = 2048  # HTTP requests that name no limit
 
 
@@ -124,6 +127,7 @@ class CoordinatorServer:
             text_tail=self.tokenizer.decode,
             stop_ids=self.tokenizer.stop_ids,
             limits=Limits(max_queued=opts.max_queued, max_queued_tokens=opts.max_queued_tokens),
+            prefix_cache=PrefixCache(opts.prefix_cache_tokens) if opts.prefix_cache else None,
         )
         if opts.draft_model is not None:
             from coordinator.engine.draft_model import DraftModel
@@ -415,6 +419,7 @@ class CoordinatorServer:
             local_layers=str(self.local.layer_range or "") if self.local is not None else "",
             plan_epoch=self.planner.epoch if self.planner is not None else 0,
             fetches=self.fetches.snapshot(),
+            prefix_cache=self._prefix_cache_status(),
         )
         for e in self.entries:
             status = reply.workers.add(
@@ -429,6 +434,24 @@ class CoordinatorServer:
             for name, reason in self.browser.rejected():
                 reply.workers.add(address=name, source="bonjour", health="rejected", detail=reason)
         return reply
+
+    def _prefix_cache_status(self) -> pb.PrefixCacheStatus:
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return pb.PrefixCacheStatus(enabled=False)
+        # read from a gRPC thread: entries may change meanwhile, the numbers stay sane
+        stats = cache.stats
+        return pb.PrefixCacheStatus(
+            enabled=True,
+            entries=len(cache.entries),
+            tokens=max(cache.tokens, 0),
+            capacity_tokens=cache.capacity(self.engine.scheduler.limits.kv_tokens),
+            lookups=stats.lookups,
+            hits=stats.hits,
+            hit_tokens=stats.hit_tokens,
+            evictions=stats.evictions,
+            block_tokens=cache.block,
+        )
 
     def _waiting_for(self) -> str:
         if self.state in ("waiting-for-workers", "planning"):

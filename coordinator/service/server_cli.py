@@ -126,6 +126,17 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         help="quantization group along the head dimension, with --kv-bits",
     )
     p.add_argument(
+        "--prefix-cache-tokens",
+        type=_positive,
+        help="KV rows of finished requests kept for reuse by later prompts that start the "
+        "same way (default: half of the KV the stages' free memory holds)",
+    )
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="prefill every prompt from scratch (no reuse of earlier requests' KV)",
+    )
+    p.add_argument(
         "--draft-model",
         help="a small model with the served model's tokenizer, run on the coordinator to "
         "draft tokens for speculative requests (draft 'model'; 'auto' then prefers it)",
@@ -243,6 +254,8 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                 args.worker = args.worker or value
             elif key == "local_layers":
                 args.no_local_layers = args.no_local_layers or not value
+            elif key == "prefix_cache":
+                args.no_prefix_cache = args.no_prefix_cache or not value
             elif key == "layers":
                 args.layers = args.layers or LayerRange.parse(value)
             elif getattr(args, key) == parser.get_default(key) or getattr(args, key) is None:
@@ -288,6 +301,8 @@ def serve_options(args: argparse.Namespace, **fixed):
         served_model_name=args.served_model_name,
         draft_model=resolve_model(args.draft_model) if args.draft_model else None,
         kv=KVFormat(args.kv_bits, args.kv_group_size),
+        prefix_cache=not args.no_prefix_cache,
+        prefix_cache_tokens=args.prefix_cache_tokens,
         default_max_tokens=args.default_max_tokens,
     )
     return ServeOptions(**{**shared, **fixed})

@@ -38,6 +38,7 @@ def final_message(result: dict) -> pb.Final:
         decode_s=result["decode_s"],
         drafted_tokens=result["drafted_tokens"],
         accepted_drafts=result["accepted_drafts"],
+        cached_tokens=result.get("cached_tokens", 0),  # absent in jobs kept by older versions
     )
     return pb.Final(
         finish_reason=result["finish_reason"] or "",

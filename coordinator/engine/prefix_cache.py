@@ -1,0 +1,186 @@
+"""The prefix cache's index, on the coordinator. Finished sequences leave their KV rows on
+the stages that computed them; this index remembers which tokens those rows hold, finds
+the longest cached prefix of a new prompt, and says which rows the stages may drop.
+
+Entries are whole finished sequences: the stages keep their rows under the sequence's id
+and a hit copies the first n rows into the new sequence (ForwardRequest.forks). The index
+is a hash chain over blocks of BLOCK tokens (each block's key hashes its parent's key and
+its tokens, as vLLM's block hashes do), so a lookup walks the prompt once; the match is
+then extended token by token against the chosen entry, since a fork copies any number of
+rows (a prompt that diverges mid-block keeps the part of the block that agrees).
+
+An entry whose tokens are a prefix of a newer one is dropped for it (a conversation's
+turns keep one entry, not one per turn). Eviction is least recently used, never of an
+entry a fork in flight still reads from (pinned)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+BLOCK = 16  # tokens per index block; hits shorter than one block are not worth a copy
+DEFAULT_SHARE = 0.5  # of the KV admission budget, when no --prefix-cache-tokens is given
+DEFAULT_TOKENS = 32768  # when the budget is unknown
+
+
+@dataclass
+class Entry:
+    entry_id: int  # the finished sequence's id: the stages keep its rows under it
+    tokens: np.ndarray  # [n] int32: KV rows [0, n) of the stages hold these tokens
+    keys: list[int]  # chained keys of its full blocks
+    last_used: int
+    pins: int = 0  # forks launched from it whose forward has not completed
+
+
+@dataclass
+class PrefixHit:
+    source: int  # the entry's id
+    length: int  # leading rows taken from it
+    sent: bool = False  # the fork has gone out with a forward (the stages hold the rows)
+    pinned: bool = True
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+
+
+def block_keys(tokens: np.ndarray, block: int = BLOCK) -> list[int]:
+    """The chained key of each full block of `tokens`."""
+    keys, parent = [], 0
+    for start in range(0, len(tokens) - block + 1, block):
+        parent = hash((parent, tokens[start : start + block].tobytes()))
+        keys.append(parent)
+    return keys
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+@dataclass
+class PrefixCache:
+    """`capacity_tokens`: a fixed budget of cached KV rows; None: `share` of the KV
+    admission budget (the stages' measured free memory), or DEFAULT_TOKENS when unknown."""
+
+    capacity_tokens: int | None = None
+    share: float = DEFAULT_SHARE
+    block: int = BLOCK
+    entries: dict[int, Entry] = field(default_factory=dict)
+    stats: CacheStats = field(default_factory=CacheStats)
+    tokens: int = 0  # KV rows the entries hold
+    _by_key: dict[int, set[int]] = field(default_factory=dict)
+    _clock: itertools.count = field(default_factory=itertools.count)
+    _dropped: list[int] = field(default_factory=list)  # ids whose rows the stages may drop
+
+    def capacity(self, kv_tokens: int | None) -> int:
+        if self.capacity_tokens is not None:
+            return self.capacity_tokens
+        return DEFAULT_TOKENS if kv_tokens is None else int(kv_tokens * self.share)
+
+    # ---- lookups ------------------------------------------------------------------
+    def find(self, prompt: list[int]) -> PrefixHit | None:
+        """The longest cached prefix of `prompt` that leaves at least its last token to
+        run (its logits start decoding), without taking it."""
+        ids = np.asarray(prompt, dtype=np.int32)
+        best: set[int] = set()
+        for key in block_keys(ids, self.block):
+            holders = self._by_key.get(key)
+            if not holders:
+                break
+            best = holders
+        if not best:
+            return None
+        entry = max((self.entries[i] for i in best), key=lambda e: e.last_used)
+        length = min(common_prefix(entry.tokens, ids), len(ids) - 1)
+        return PrefixHit(entry.entry_id, length) if length >= self.block else None
+
+    def take(self, hit: PrefixHit) -> None:
+        """A request starts from `hit`: pin its entry until the fork has run."""
+        entry = self.entries[hit.source]
+        entry.pins += 1
+        entry.last_used = next(self._clock)
+        self.stats.hits += 1
+        self.stats.hit_tokens += hit.length
+
+    def unpin(self, hit: PrefixHit) -> None:
+        if hit.pinned:
+            hit.pinned = False
+            entry = self.entries.get(hit.source)
+            if entry is not None:
+                entry.pins -= 1
+
+    # ---- entries ------------------------------------------------------------------
+    def insert(self, seq_id: int, tokens: list[int], kv_tokens: int | None) -> None:
+        """A finished sequence whose stages hold KV rows for `tokens`: keep them as an
+        entry, or let them go (too short, already covered, or no room)."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        keys = block_keys(ids, self.block)
+        if not keys:
+            self._dropped.append(seq_id)
+            return
+        for other in list(self._by_key.get(keys[-1], ())):
+            entry = self.entries[other]
+            if len(entry.tokens) >= len(ids) and common_prefix(entry.tokens, ids) == len(ids):
+                entry.last_used = next(self._clock)  # covered: the older rows serve it
+                self._dropped.append(seq_id)
+                return
+        for key in keys:  # entries the new one covers give way to it
+            for other in list(self._by_key.get(key, ())):
+                entry = self.entries[other]
+                short = entry.pins == 0 and len(entry.tokens) <= len(ids)
+                if short and common_prefix(entry.tokens, ids) == len(entry.tokens):
+                    self._remove(entry)
+        entry = Entry(seq_id, ids, keys, next(self._clock))
+        self.entries[seq_id] = entry
+        self.tokens += len(ids)
+        for key in keys:
+            self._by_key.setdefault(key, set()).add(seq_id)
+        self.shrink(self.capacity(kv_tokens))
+
+    def shrink(self, limit: int, spare: int | None = None) -> int:
+        """Evict least recently used entries until at most `limit` tokens are cached;
+        returns the tokens freed (pinned entries and `spare` stay)."""
+        freed = 0
+        if self.tokens <= limit:
+            return 0
+        for entry in sorted(self.entries.values(), key=lambda e: e.last_used):
+            if self.tokens <= limit:
+                break
+            if entry.pins == 0 and entry.entry_id != spare:
+                freed += len(entry.tokens)
+                self._remove(entry)
+                self.stats.evictions += 1
+        return freed
+
+    def _remove(self, entry: Entry) -> None:
+        del self.entries[entry.entry_id]
+        self.tokens -= len(entry.tokens)
+        for key in entry.keys:
+            holders = self._by_key.get(key)
+            if holders is not None:
+                holders.discard(entry.entry_id)
+                if not holders:
+                    del self._by_key[key]
+        self._dropped.append(entry.entry_id)
+
+    def clear(self) -> list[int]:
+        """Forget every entry (after a fault: KV is rebuilt by use, never trusted stale);
+        returns every id whose rows the stages may still hold."""
+        ids = list(self.entries) + self.take_dropped()
+        self.entries.clear()
+        self._by_key.clear()
+        self.tokens = 0
+        return ids
+
+    def take_dropped(self) -> list[int]:
+        """Ids whose rows the stages may drop now (evicted, covered or not kept)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
