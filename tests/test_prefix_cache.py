@@ -28,15 +28,15 @@ def test_index_finds_the_longest_prefix_and_extends_it_past_blocks():
     b = a[:40] + list(range(500, 540))  # shares 2.5 blocks with a
     cache.insert(1, a, None)
     cache.insert(2, b, None)
-    hit = cache.find(a[:50] + [7, 8, 9])
+    hit = cache.find([*a[:50], 7, 8, 9])
     assert (hit.source, hit.length) == (1, 50)  # diverges mid-block: the agreeing part
-    hit = cache.find(b + [1])
+    hit = cache.find([*b, 1])
     assert (hit.source, hit.length) == (2, 80)
     hit = cache.find(a[:40] + [9] * 30)
     assert hit.length == 40
-    assert cache.find(a)  .length == 79  # a strict copy leaves its last token to run
+    assert cache.find(a).length == 79  # a strict copy leaves its last token to run
     assert cache.find(list(range(1000, 1100))) is None
-    assert cache.find(a[:BLOCK - 1] + [1, 2]) is None  # under one block: not worth a copy
+    assert cache.find([*a[: BLOCK - 1], 1, 2]) is None  # under one block: not worth a copy
 
 
 def test_index_keeps_one_entry_per_conversation():
@@ -58,7 +58,7 @@ def test_eviction_is_lru_and_spares_pinned_entries():
     first, second = list(range(0, 40)), list(range(1000, 1040))
     cache.insert(1, first, None)
     cache.insert(2, second, None)
-    hit = cache.find(first + [5])
+    hit = cache.find([*first, 5])
     cache.take(hit)  # 1 is now the most recent, and pinned
     cache.insert(3, list(range(2000, 2040)), None)  # 120 tokens > 100: evict the LRU (2)
     assert sorted(cache.entries) == [1, 3] and cache.stats.evictions == 1
@@ -103,7 +103,7 @@ def test_a_fork_continues_exactly_like_the_source(qwen3, bits):
     runner = LayerRunner(parts, KVFormat(bits))
     prompt = [(5 * i + 3) % parts.config.vocab_size for i in range(40)]
     _prefill(runner, 1, prompt)
-    whole = _prefill(runner, 2, prompt[:30] + [9, 10, 11])  # no cache: from scratch
+    whole = _prefill(runner, 2, [*prompt[:30], 9, 10, 11])  # no cache: from scratch
     part = _prefill(runner, 3, [9, 10, 11], start=30, forks=[(3, 1, 30)])
     np.testing.assert_allclose(np.array(part), np.array(whole[:, 30:]), atol=1e-4)
     assert runner.store.length(1) == 40 and runner.store.length(3) == 33  # the source stays
