@@ -27,9 +27,11 @@ def _on_gpu() -> bool:
 
 @cache
 def _gpu_memory_cap() -> int:
-    """Metal's per-process budget. Cached: later calls (from gRPC threads) touch no MLX."""
+    """Metal's per-process budget (a CUDA GPU: its own memory). Cached: later calls (from
+    gRPC threads) touch no MLX."""
     info = _mlx_device_info()
-    return int(info.get("max_recommended_working_set_size") or info.get("memory_size") or 0)
+    keys = ("max_recommended_working_set_size", "memory_size", "total_memory")
+    return int(next((info[k] for k in keys if info.get(k)), 0))
 
 
 def device_description() -> str:
@@ -63,7 +65,10 @@ def memory() -> tuple[int, int]:
     vm = psutil.virtual_memory()
     total, available = int(vm.total), int(vm.available)
     if _on_gpu() and (cap := _gpu_memory_cap()):
-        total, available = min(total, cap), min(available, cap)
+        # What MLX holds counts against the cap (on a Mac it is in `vm` already; a GPU with
+        # its own memory does not show it there)
+        held = mx.get_active_memory()
+        total, available = min(total, cap), max(min(available, cap - held), 0)
     return total, available
 
 

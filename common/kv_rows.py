@@ -13,6 +13,8 @@ quantized path, which it takes for any cache with `bits` and `group_size`.
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import numpy as np
 
@@ -43,14 +45,17 @@ class LayerKV:
         self.keys: Stored | None = None
         self.values: Stored | None = None
         self.offset: mx.array | int = 0  # RoPE start per row, set by KVRows.begin
-        self._rows: KVRows | None = None
+        # The KVRows this layer belongs to, weakly: a strong reference would make a cycle,
+        # and a dropped batch's buffers would then wait for Python's cycle collector (which
+        # runs on object counts, not bytes) while the device runs out of memory.
+        self._rows: weakref.ref[KVRows] | None = None
 
     def encode(self, x: mx.array) -> Stored:
         """What is stored for new keys or values [rows, heads, T, dim]."""
         return x
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Stored, Stored]:
-        rows = self._rows
+        rows = self._rows() if self._rows is not None else None
         assert rows is not None, "KVRows.begin() must run before a forward"
         b, _, t, _ = keys.shape
         keys, values = self.encode(keys), self.encode(values)
@@ -68,10 +73,16 @@ class LayerKV:
         self.keys = _grown(self.keys, keys, capacity)
         self.values = _grown(self.values, values, capacity)
 
-    def keep_rows(self, rows: mx.array) -> None:
+    def keep_rows(self, rows: mx.array, capacity: int) -> None:
+        """Keep these rows and the first `capacity` positions (one gather)."""
         if self.keys is not None:
-            self.keys = like(self.keys, (a[rows] for a in parts_of(self.keys)))
-            self.values = like(self.values, (a[rows] for a in parts_of(self.values)))
+            self.keys = like(self.keys, (a[rows, :, :capacity] for a in parts_of(self.keys)))
+            self.values = like(self.values, (a[rows, :, :capacity] for a in parts_of(self.values)))
+
+    def parts(self) -> list[mx.array]:
+        if self.keys is None:
+            return []
+        return [*parts_of(self.keys), *parts_of(self.values)]
 
     def nbytes(self) -> int:
         if self.keys is None:
@@ -179,19 +190,26 @@ class KVRows:
     def _bind(self, offset: mx.array) -> None:
         for layer in self.layers:
             layer.offset = offset
-            layer._rows = self
+            layer._rows = weakref.ref(self)
 
     def commit(self, counts: np.ndarray | list[int]) -> None:
         """Make the first counts[b] rows of the last forward permanent for row b."""
         self.lengths = self.lengths + np.asarray(counts, dtype=np.int64)
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Keep only these rows, in this order (sequences leaving the batch)."""
+        """Keep only these rows, in this order (sequences leaving the batch). The capacity
+        shrinks to what the longest kept row needs: rows left behind (a prefix cache's
+        finished sequences) then cost about their own length, not the batch's."""
         idx = mx.array(rows, dtype=mx.int32)
-        for layer in self.layers:
-            layer.keep_rows(idx)
         self.lengths = self.lengths[rows]
         self.seq_ids = [self.seq_ids[r] for r in rows]
+        longest = int(self.lengths.max()) if len(rows) else 0
+        self.capacity = min(self.capacity, max(-(-longest // GROW_STEP), 1) * GROW_STEP)
+        for layer in self.layers:
+            layer.keep_rows(idx, self.capacity)
+        # Computed now: a batch left holding only a prefix cache's rows may not run again
+        # for long, and the lazy gather would keep the whole old buffers alive meanwhile.
+        mx.async_eval([p for layer in self.layers for p in layer.parts()])
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

@@ -22,6 +22,11 @@ class RowsError(WedlmError):
 
 
 MAX_WIDTH = 4096  # rows per sequence in one forward (window masks are B x T x T on the host)
+# MLX keeps freed buffers for reuse; like mlx-lm (after each prompt chunk, every 256 decode
+# steps) the cache is emptied after this many rows have run, or this many forwards, so that
+# prompt-sized temporaries do not pile up beside the weights and the KV.
+CLEAR_CACHE_ROWS = 2048
+CLEAR_CACHE_FORWARDS = 256
 
 
 def select_slots(hidden: mx.array, slots: np.ndarray) -> mx.array:
@@ -38,6 +43,7 @@ class LayerRunner:
         self.kv = kv
         self.store = KVStore(len(parts.layers), kv)
         self.max_positions = parts.config.max_position_embeddings
+        self._rows_run = self._forwards_run = 0  # since MLX's buffer cache was last emptied
 
     def check(self, spec: RowsSpec, hidden_shape: tuple[int, ...]) -> None:
         b, t = spec.num_rows, spec.width
@@ -110,6 +116,11 @@ class LayerRunner:
         kv = self.store.rows_for(spec.seq_ids)
         out = run_layers(self.parts, hidden, kv, spec.windows())
         kv.commit(spec.keeps)
+        self._rows_run += spec.num_rows * spec.width
+        self._forwards_run += 1
+        if self._rows_run >= CLEAR_CACHE_ROWS or self._forwards_run >= CLEAR_CACHE_FORWARDS:
+            mx.clear_cache()  # buffers of the forward in flight are in use, not cached
+            self._rows_run = self._forwards_run = 0
         return out
 
     def release(self, seq_ids: list[int]) -> None:

@@ -35,6 +35,9 @@ class _Live:
         self.last_token: float | None = None
 
 
+MAX_FAILED_RECOVERIES = 3  # recoveries in a row whose next forward fails again
+
+
 class EngineLoop(threading.Thread):
     def __init__(
         self,
@@ -58,6 +61,7 @@ class EngineLoop(threading.Thread):
         self.ticks = 0
         self.last_progress = time.monotonic()
         self._cache_seen = CacheStats()  # prefix-cache counts already exported
+        self._failures = 0  # forwards failed since the last tick that worked
 
     # ---- called from gRPC threads --------------------------------------------------
     def submit(self, job: Job) -> None:
@@ -139,13 +143,22 @@ class EngineLoop(threading.Thread):
     def _tick(self) -> None:
         try:
             commits = self.engine.step()
-        except Exception as e:  # a worker failed mid-forward
+        except Exception as e:  # a worker failed mid-forward, or this process's own layers
             log.error("forward failed: %s", e)
             self._deliver(self.engine.take_undelivered())  # finished before the failure
-            if self.recover is not None and self._recover(e):
+            self._failures += 1
+            # Re-planning replaces lost workers and a broken relay chain; a failure that
+            # comes back right after it (this process's own stage out of memory, say) is
+            # not mended by another: the running requests fail instead of looping.
+            if self._failures <= MAX_FAILED_RECOVERIES:
+                if not self._recover(e):
+                    self._fail_running(e)
                 return
             self._fail_running(e)
+            self._failures = 0
+            self._recover(e)  # a fresh pipeline for later requests (no forwards in flight)
             return
+        self._failures = 0
         self.ticks += 1
         self.last_progress = time.monotonic()
         self._deliver(commits)
