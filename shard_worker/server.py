@@ -103,7 +103,8 @@ class WorkerServer:
         if not self.port:
             raise WedlmError(f"cannot listen on {options.host}:{options.port} (in use?)")
         self.node_id = host_info.node_id(self.port, options.node_id)
-        self.mlx.call(host_info.memory)  # caches its MLX queries; handlers then make none
+        # caches its device queries; handlers then read only MLX's allocator counter
+        self.mlx.call(host_info.memory)
         identity = WorkerIdentity(
             node_id=self.node_id,
             cluster=options.cluster,

@@ -39,7 +39,7 @@ class PrefixHit:
     source: int  # the entry's id
     length: int  # leading rows taken from it
     sent: bool = False  # the fork has gone out with a forward (the stages hold the rows)
-    pinned: bool = True
+    pinned: bool = False  # its entry is pinned for it (take, until unpin)
 
 
 @dataclass
@@ -106,6 +106,7 @@ class PrefixCache:
         """A request starts from `hit`: pin its entry until the fork has run."""
         entry = self.entries[hit.source]
         entry.pins += 1
+        hit.pinned = True
         entry.last_used = next(self._clock)
         self.stats.hits += 1
         self.stats.hit_tokens += hit.length
