@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import statistics
 import subprocess
@@ -90,6 +91,7 @@ class Run:
         c = Cluster(self.model, workers, max_running, gpus=gpus, local=True)
         if self.args.warm_up:
             c.flags = ("--warm-up", self.args.warm_up)
+        c.flags = (*c.flags, *shlex.split(self.args.coordinator_flags))
         self.clusters.append(c)
         return c
 
@@ -441,6 +443,11 @@ def parse_args():
         "--warm-up",
         choices=("auto", "on", "off"),
         help="passed to every coordinator (default: the server's, auto = on GPUs only)",
+    )
+    ap.add_argument(
+        "--coordinator-flags",
+        default="",
+        help="extra flags for every coordinator started, e.g. '--prefill-hold 0'",
     )
     ap.add_argument("--single-tokens", type=int, default=64)
     ap.add_argument("--single-repeats", type=int, default=5)

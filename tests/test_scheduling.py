@@ -207,3 +207,89 @@ def test_engine_loop_and_heartbeat_stop_and_join(model):
         t.stop()
         t.join(5)
         assert not t.is_alive()
+
+
+def prefill_forwards(engine) -> int:
+    return engine.forwards - engine.scheduler.decode_forwards
+
+
+def decoding_engine(model, hold: int, batch: int = 8):
+    """An engine with one AR stream decoding, and the prefill hold set."""
+    local = open_local_engine(model, num_rows=8)
+    engine = local.engine
+    engine.scheduler.limits = Limits(max_running=8, prefill_hold=hold, prefill_batch=batch)
+    params = GenerationParams(mode="ar", max_tokens=60)
+    first = engine.submit(local.tokenizer.encode("running"), params)
+    while not first.output:
+        engine.step()
+    return local, first
+
+
+def test_prefill_hold_shares_one_forward_among_arrivals(model):
+    """While a stream decodes, prompts arriving a step apart wait (up to prefill_hold decode
+    steps) and are prefilled in one forward; tokens are the same as without the hold."""
+    outputs = {}
+    for hold in (4, 0):
+        local, first = decoding_engine(model, hold)
+        engine = local.engine
+        params = GenerationParams(mode="ar", max_tokens=12)
+        before = prefill_forwards(engine)
+        late = []
+        for text in ("one arrival", "another one"):
+            late.append(engine.submit(local.tokenizer.encode(text), params))
+            engine.step()
+        if hold:
+            assert all(s.prefilled == 0 for s in late), "held while the stream decodes"
+            assert len(first.output) >= 3, "the stream decoded meanwhile"
+        while any(s.prefilled < len(s.prompt) for s in late):
+            engine.step()
+        assert prefill_forwards(engine) - before == (1 if hold else 2)
+        while engine.has_work:
+            engine.step()
+        outputs[hold] = [first.output, *(s.output for s in late)]
+    assert outputs[4] == outputs[0]
+
+
+def test_prefill_hold_never_waits_for_nothing(model):
+    """A prompt is prefilled at once when nothing decodes, when prefill_batch prompts wait,
+    and (for its next chunks) once its prefill has begun."""
+    local = open_local_engine(model, num_rows=8)
+    engine = local.engine
+    engine.scheduler.limits = Limits(max_running=8, prefill_hold=100, prefill_batch=3)
+    ar = GenerationParams(mode="ar", max_tokens=40)
+    alone = engine.submit(local.tokenizer.encode("idle server"), ar)
+    engine.step()
+    assert alone.prefilled == len(alone.prompt), "an idle engine does not hold"
+    while not alone.output:
+        engine.step()
+    params = GenerationParams(mode="ar", max_tokens=4)
+    two = [engine.submit(local.tokenizer.encode(f"held {i}"), params) for i in range(2)]
+    for _ in range(3):
+        engine.step()
+    assert all(s.prefilled == 0 for s in two), "two of three: held"
+    third = engine.submit(local.tokenizer.encode("the third"), params)
+    engine.step()
+    engine.step()
+    assert all(s.prefilled == len(s.prompt) for s in [*two, third]), "three: prefilled"
+
+
+def test_prefill_hold_flags_are_validated(tmp_path):
+    from common.errors import WedlmError
+    from coordinator.service.serve_config import load_serve_config
+    from coordinator.service.server_cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "m", "--prefill-hold", "0"])
+    assert args.prefill_hold == 0 and args.prefill_batch == 8
+    for flag, value in (("--prefill-hold", "-1"), ("--prefill-batch", "0")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--model", "m", flag, value])
+    config = tmp_path / "c.toml"
+    config.write_text("prefill_hold = 0\nprefill_batch = 4\n")
+    assert load_serve_config(config) == {"prefill_hold": 0, "prefill_batch": 4}
+    config.write_text("prefill_hold = -2\n")
+    with pytest.raises(WedlmError, match="prefill_hold must be 0 or more"):
+        load_serve_config(config)
+    config.write_text("prefill_batch = 0\n")
+    with pytest.raises(WedlmError, match="prefill_batch must be positive"):
+        load_serve_config(config)

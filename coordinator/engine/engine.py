@@ -334,7 +334,7 @@ class Engine:
 
     def _other_work(self, unit: int) -> bool:
         sched = self.scheduler
-        if sched.waiting or any(s.phase is Phase.PREFILL for s in sched.running):
+        if sched.prefill_ready():  # new prompts that are held (scheduler.py) do not count
             return True
         return any(
             g != unit and g not in sched.busy and any(not s.finished for s in group)

@@ -3,7 +3,15 @@
 Decode sequences live in P stable groups (one micro-batch each), so the workers' KV batches
 keep their membership from tick to tick; a sequence joins the least-loaded group when its
 prefill ends. Prefill runs as its own micro-batches, in chunks, taking turns with the
-decode groups, so a long new prompt never stalls running streams."""
+decode groups, so a long new prompt never stalls running streams.
+
+A prefill forward costs about as much as a decode step wherever a forward is bound by reading
+the weights or by launching kernels, whatever few prompt rows it carries. So while sequences
+decode, a new prompt may wait up to `prefill_hold` decode steps for others to share its
+prefill forward (`prefill_batch` prompts start one at once), as TGI's router waits
+`max_waiting_tokens` steps: arrivals in a busy server then cost one forward per batch of
+prompts instead of one each. Nothing waits when nothing decodes, and a prompt already under
+way (a long one in chunks, a history being rebuilt) is never held."""
 
 from __future__ import annotations
 
@@ -32,6 +40,8 @@ class Limits:
     prefill_chunk: int = 512  # prompt tokens of one sequence per forward
     prefill_budget: int = 1024  # padded prompt rows per prefill micro-batch
     kv_tokens: int | None = None  # KV tokens the workers' free memory holds (None: unknown)
+    prefill_hold: int = 4  # decode steps a new prompt may wait to share a prefill (0: none)
+    prefill_batch: int = 8  # new prompts that start a prefill forward without waiting
 
 
 @dataclass
@@ -51,7 +61,9 @@ class Scheduler:
     groups: list[list[Sequence]] = field(default_factory=list)
     busy: set[int] = field(default_factory=set)  # unit keys with a micro-batch in flight
     cache: PrefixCache | None = None  # finished sequences' KV rows, reused by new prompts
+    decode_forwards: int = 0  # decode micro-batches completed (the clock of prefill_hold)
     _turn: int = 0
+    _held_since: dict[int, int] = field(default_factory=dict)  # seq id → decode_forwards
 
     def __post_init__(self) -> None:
         self.groups = [[] for _ in range(self.groups_count)]
@@ -113,6 +125,7 @@ class Scheduler:
                     cache.take(hit)
                     seq.start_from(hit)
             seq.phase = Phase.PREFILL
+            self._held_since[seq.seq_id] = self.decode_forwards
             self.running.append(seq)
 
     def cancel(self, seq: Sequence) -> None:
@@ -163,12 +176,35 @@ class Scheduler:
                 plans.append(plan)
         return plans
 
+    def prefill_pending(self) -> list[Sequence]:
+        return [s for s in self.running if s.phase is Phase.PREFILL and not s.finished]
+
+    def prefill_ready(self) -> bool:
+        """Whether a prefill micro-batch should run now (module docstring: the hold)."""
+        pending = self.prefill_pending()
+        if not pending:
+            return False
+        limits = self.limits
+        if limits.prefill_hold <= 0 or len(pending) >= limits.prefill_batch:
+            return True
+        if any(s.rebuild_to or s.prefilled > s.cached_tokens for s in pending):
+            return True  # under way: a long prompt's next chunk, or a rebuild after a fault
+        decoding = sum(any(not s.finished for s in group) for group in self.groups)
+        if not decoding:
+            return True  # nobody decodes: waiting would delay everyone and save nothing
+        rows = sum(len(s.prefill_tokens()) - s.prefilled for s in pending)
+        if rows >= limits.prefill_budget:
+            return True  # a full prefill forward already
+        # each decoding group's forward advances the clock: a step is one forward of each
+        oldest = min(self._held_since.get(s.seq_id, 0) for s in pending)
+        return self.decode_forwards - oldest >= limits.prefill_hold * decoding
+
     def _prefill_plans(self) -> list[RowPlan]:
         plans: list[RowPlan] = []
+        if not self.prefill_ready():
+            return plans
         width = 0
-        for seq in self.running:
-            if seq.phase is not Phase.PREFILL or seq.finished:
-                continue
+        for seq in self.prefill_pending():
             plan = plan_next(seq, self.mask_token_id, self.limits.prefill_chunk, self.max_positions)
             # the forward's size once padded (forward_shapes): it stays within the budget
             padded = padded_width(max(width, plan.width)) * row_bucket(len(plans) + 1)
@@ -185,6 +221,8 @@ class Scheduler:
         """`started`: when this forward's launch began (wall times are spans from the
         first launch, so overlapping forwards are not counted twice)."""
         self.busy.discard(unit)
+        if unit != PREFILL:
+            self.decode_forwards += 1
         commits = []
         done_at = time.perf_counter()
         for i, plan in enumerate(plans):
@@ -202,6 +240,7 @@ class Scheduler:
                 seq.decode_s = done_at - seq.decode_started
             if was_prefill and seq.phase is Phase.DECODE:
                 min(self.groups, key=len).append(seq)
+                self._held_since.pop(seq.seq_id, None)
             if new or seq.finished:
                 commits.append(Commit(seq, new))
         return commits
@@ -212,6 +251,8 @@ class Scheduler:
         gone = {s.seq_id for s in done}
         if gone:
             self.running = [s for s in self.running if s.seq_id not in gone]
+            for seq_id in gone:
+                self._held_since.pop(seq_id, None)
             self.groups = [[s for s in group if s.seq_id not in gone] for group in self.groups]
         self._rebalance()
         return done
@@ -233,5 +274,6 @@ class Scheduler:
             seq.finish_reason = "error"
             seq.phase = Phase.FINISHED
         self.running, self.busy = [], set()
+        self._held_since.clear()
         self.groups = [[] for _ in range(self.groups_count)]
         return failed

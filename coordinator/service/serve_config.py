@@ -26,6 +26,8 @@ KEYS: dict[str, tuple[type, str]] = {
     "max_running": (int, "sequences decoded at once"),
     "max_queued": (int, "requests waiting beyond max_running"),
     "max_queued_tokens": (int, "prompt tokens waiting"),
+    "prefill_hold": (int, "decode steps a new prompt may wait to share a prefill forward"),
+    "prefill_batch": (int, "new prompts that start a prefill forward without waiting"),
     "micro_batches": (int, "micro-batches in flight"),
     "metrics_port": (int, "Prometheus metrics HTTP port"),
     "kv_reserve_tokens": (int, "KV tokens reserved per worker when planning"),
@@ -43,6 +45,8 @@ KEYS: dict[str, tuple[type, str]] = {
     "prefix_cache_tokens": (int, "KV rows the prefix cache may keep"),
     "default_max_tokens": (int, "max tokens of an HTTP request that names no limit"),
 }
+
+_ZERO_ALLOWED = ("port", "expect", "http_port", "prefill_hold")  # 0 means something
 
 
 def load_serve_config(path: str | Path) -> dict[str, Any]:
@@ -68,7 +72,7 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
             )
         if key == "workers" and not all(isinstance(w, str) and ":" in w for w in value):
             raise WedlmError(f'{path}: workers must be a list of "HOST:PORT" strings')
-        if kind in (int, float) and value <= 0 and key not in ("port", "expect", "http_port"):
+        if kind in (int, float) and value <= 0 and key not in _ZERO_ALLOWED:
             raise WedlmError(f"{path}: {key} must be positive, got {value}")
         if key == "warm_up" and value not in ("auto", "on", "off"):
             raise WedlmError(f"{path}: warm_up must be auto, on or off, got {value!r}")
@@ -84,8 +88,8 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
                 )
         if key in ("port", "http_port") and not 0 <= value <= 65535:
             raise WedlmError(f"{path}: {key} must be in [0, 65535], got {value}")
-        if key == "expect" and value < 0:
-            raise WedlmError(f"{path}: expect must be 0 or more, got {value}")
+        if key in ("expect", "prefill_hold") and value < 0:
+            raise WedlmError(f"{path}: {key} must be 0 or more, got {value}")
         out["wait_timeout" if key == "wait_for_workers" else key] = value
     for file_key, key in (("secret_file", "secret"), ("api_key_file", "api_key")):
         if file_key in out:

@@ -81,6 +81,8 @@ class ServeOptions:
     max_running: int = 16
     max_queued: int = 256
     max_queued_tokens: int = 1 << 20
+    prefill_hold: int = 4  # decode steps a new prompt may wait to share a prefill forward
+    prefill_batch: int = 8  # new prompts that start a prefill forward without waiting
     micro_batches: int = 0  # 0: one per pipeline stage
     metrics_port: int | None = None
     wait_timeout_s: float = 600.0  # --wait-for-workers: then say what is missing
@@ -126,7 +128,12 @@ class CoordinatorServer:
             opts.max_running,
             text_tail=self.tokenizer.decode,
             stop_ids=self.tokenizer.stop_ids,
-            limits=Limits(max_queued=opts.max_queued, max_queued_tokens=opts.max_queued_tokens),
+            limits=Limits(
+                max_queued=opts.max_queued,
+                max_queued_tokens=opts.max_queued_tokens,
+                prefill_hold=opts.prefill_hold,
+                prefill_batch=opts.prefill_batch,
+            ),
             prefix_cache=PrefixCache(opts.prefix_cache_tokens) if opts.prefix_cache else None,
         )
         if opts.draft_model is not None:

@@ -88,6 +88,19 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         help="prompt tokens waiting; more get RESOURCE_EXHAUSTED",
     )
     p.add_argument(
+        "--prefill-hold",
+        type=_non_negative,
+        default=4,
+        help="decode steps a new prompt may wait, while others decode, for more prompts to "
+        "share its prefill forward (0: prefill each arrival at once)",
+    )
+    p.add_argument(
+        "--prefill-batch",
+        type=_positive,
+        default=8,
+        help="new prompts that start a prefill forward without waiting (see --prefill-hold)",
+    )
+    p.add_argument(
         "--micro-batches",
         type=_positive,
         default=None,
@@ -287,6 +300,8 @@ def serve_options(args: argparse.Namespace, **fixed):
         max_running=args.max_running,
         max_queued=args.max_queued,
         max_queued_tokens=args.max_queued_tokens,
+        prefill_hold=args.prefill_hold,
+        prefill_batch=args.prefill_batch,
         micro_batches=args.micro_batches or 0,
         metrics_port=args.metrics_port,
         wait_timeout_s=args.wait_timeout,

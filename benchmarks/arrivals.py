@@ -1,0 +1,171 @@
+"""Arrivals in one process: the engine against mlx-lm's BatchGenerator in the same closed
+loop (C sequences decoding; when one finishes the next is submitted at once, AR, greedy,
+--max-tokens each), on the same weights. Unlike benchmarks/batch_decode.py (no arrivals)
+this includes what arrivals cost: prefill forwards and the decode batch changing
+membership; unlike benchmarks/stages.py's `alone` phase it leaves out the serving path
+(gRPC, jobs, detokenization), so the two together say where a serving gap comes from.
+
+Engine variants differ in the prefill hold (coordinator/engine/scheduler.py): --holds 0 4
+runs it with new prompts prefilled at once and with prompts waiting up to 4 decode steps to
+share a prefill forward. Variants rotate round by round (round 0 warms up); medians over the
+rounds. Prints one JSON object and writes arrivals.json to --out.
+
+  python benchmarks/arrivals.py --model random-qwen3-8b --concurrency 16 32 --holds 0 4
+  python benchmarks/arrivals.py --model random-qwen3-8b --layers 2 --hidden 256 --duration 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.engine import mlx_lm_model, random_qwen3
+from benchmarks.serve_mlxlm import Rec, Schedule, now, summarize
+from benchmarks.serve_mlxlm import level as mlxlm_level
+from common.generation_params import GenerationParams
+from common.model_parts import ModelParts, load_model_parts
+from coordinator.engine.engine import Engine, Limits
+from coordinator.engine.local_engine import resolve_model
+from coordinator.engine.pipeline import LocalPipeline
+
+KEYS = ("tok_s", "ttft_ms_p50", "tpot_ms_p50", "forwards_per_step", "prefill_forwards_per_step")
+
+
+def engine_level(parts: ModelParts, prompts, stops, c: int, hold: int, args) -> dict:
+    """One concurrency level through a fresh engine (the same loop as mlx-lm's level)."""
+    limits = Limits(prefill_hold=hold)
+    engine = Engine(parts, LocalPipeline(parts), c, stop_ids=tuple(stops), limits=limits)
+    params = GenerationParams(mode="ar", max_tokens=args.max_tokens)
+    schedule = Schedule(args.duration, args.requests, args.warmup)
+    live: dict[int, Rec] = {}
+    recs: list[Rec] = []
+    order = itertools.count()
+
+    def insert() -> None:
+        if (rec := schedule.next()) is not None:
+            live[engine.submit(prompts[next(order) % len(prompts)], params).seq_id] = rec
+
+    for _ in range(c):
+        insert()
+    counted = None  # (forwards, decode forwards, wall) when the measured window opens
+    while live or engine.has_work:
+        commits = engine.step()
+        t = now()
+        if counted is None and t >= schedule.warm_end:
+            counted = (engine.forwards, engine.scheduler.decode_forwards, t)
+        for commit in commits:
+            rec = live.get(commit.seq.seq_id)
+            if rec is None:
+                continue
+            if commit.tokens:
+                rec.events.append((t, len(commit.tokens)))  # a stop token counts, as in mlx-lm
+            if commit.seq.finished:
+                rec.end = t
+                rec.final = {"tokens_per_forward": 1.0, "forwards": commit.seq.forwards}
+                recs.append(live.pop(commit.seq.seq_id))
+                insert()
+    stats = summarize(recs, schedule.window)
+    if counted is not None:
+        forwards = engine.forwards - counted[0]
+        decode = engine.scheduler.decode_forwards - counted[1]
+        stats["forwards_per_step"] = round(forwards / max(decode, 1), 3)
+        stats["prefill_forwards_per_step"] = round((forwards - decode) / max(decode, 1), 3)
+    print(f"  engine hold={hold} C={c}: {stats['tok_s']} tok/s, TTFT p50 {stats['ttft_ms_p50']}"
+          f" ms, prefill forwards/step {stats.get('prefill_forwards_per_step')}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return stats
+
+
+def med(rounds: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rounds if r.get(key) is not None]
+    return round(statistics.median(values), 3) if values else None
+
+
+def bench(parts: ModelParts, mlm, prompts, stops, args) -> dict:
+    names = ["mlxlm", *(f"hold{h}" for h in args.holds)]
+    out = {}
+    for c in args.concurrency:
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for r in range(args.rounds + 1):  # round 0 warms every variant's shapes up
+            for name in names:
+                if name == "mlxlm":
+                    stats = mlxlm_level(mlm, prompts, stops, c, args)
+                else:
+                    stats = engine_level(parts, prompts, stops, c, int(name[4:]), args)
+                mx.clear_cache()
+                if r:
+                    runs[name].append(stats)
+        medians = {n: {k: med(v, k) for k in KEYS} for n, v in runs.items()}
+        base = medians["mlxlm"]["tok_s"]
+        out[str(c)] = {
+            "medians": medians,
+            "over_mlxlm": {
+                n: round(m["tok_s"] / base, 3) if base and m["tok_s"] else None
+                for n, m in medians.items() if n != "mlxlm"
+            },
+            "rounds": runs,
+        }  # fmt: skip
+        print(f"C={c}: {json.dumps(out[str(c)]['over_mlxlm'])}", file=sys.stderr, flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="random-qwen3-8b")
+    ap.add_argument("--layers", type=int, default=36, help="random-qwen3-8b only")
+    ap.add_argument("--hidden", type=int, default=4096, help="random-qwen3-8b only")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--holds", type=int, nargs="+", default=[0, 4])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--duration", type=float, default=8.0, help="measured seconds per run")
+    ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first")
+    ap.add_argument("--requests", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    args = ap.parse_args()
+    if args.model == "random-qwen3-8b":
+        parts, mlm = random_qwen3(args.layers, args.hidden)
+        name = f"random-qwen3-8b(layers={args.layers},hidden={args.hidden})"
+        # prompts of 8-12 tokens, as the serving benchmarks' PROMPTS encode to
+        rng = np.random.default_rng(0)
+        prompts = [[int(t) for t in rng.integers(1000, 20000, 8 + i % 5)] for i in range(8)]
+        stops = list(parts.config.eos_token_ids)
+    else:
+        from benchmarks.serve_mlxlm import PROMPTS
+        from common.tokenizer import Tokenizer
+
+        path = resolve_model(args.model)
+        parts = load_model_parts(path)
+        mlm, name = mlx_lm_model(parts), args.model
+        tok = Tokenizer(path)
+        prompts = [tok.encode(p) for p in PROMPTS]
+        stops = sorted(set(parts.config.eos_token_ids) | set(tok.stop_ids))
+    result = {
+        "model": name,
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+        "max_tokens": args.max_tokens,
+        "duration_s": args.duration,
+        "rounds": args.rounds,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "levels": bench(parts, mlm, prompts, stops, args),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "arrivals.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
