@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.engine import mlx_lm_model, random_qwen3
-from benchmarks.serve_mlxlm import Rec, Schedule, now, summarize
+from benchmarks.serve_mlxlm import Arrivals, Rec, Schedule, now, summarize
 from benchmarks.serve_mlxlm import level as mlxlm_level
 from common.generation_params import GenerationParams
 from common.model_parts import ModelParts, load_model_parts
@@ -49,6 +49,7 @@ def engine_level(parts: ModelParts, prompts, stops, c: int, hold: int, args) -> 
     engine = Engine(parts, LocalPipeline(parts), c, stop_ids=tuple(stops), limits=limits)
     params = GenerationParams(mode="ar", max_tokens=args.max_tokens)
     schedule = Schedule(args.duration, args.requests, args.warmup)
+    arrivals = Arrivals(args.arrival_delay_ms / 1e3)
     live: dict[int, Rec] = {}
     recs: list[Rec] = []
     order = itertools.count()
@@ -60,7 +61,12 @@ def engine_level(parts: ModelParts, prompts, stops, c: int, hold: int, args) -> 
     for _ in range(c):
         insert()
     counted = None  # (forwards, decode forwards, wall) when the measured window opens
-    while live or engine.has_work:
+    while live or engine.has_work or arrivals.pending:
+        for _ in range(arrivals.due()):
+            insert()
+        if not engine.has_work:
+            arrivals.wait()
+            continue
         commits = engine.step()
         t = now()
         if counted is None and t >= schedule.warm_end:
@@ -75,7 +81,7 @@ def engine_level(parts: ModelParts, prompts, stops, c: int, hold: int, args) -> 
                 rec.end = t
                 rec.final = {"tokens_per_forward": 1.0, "forwards": commit.seq.forwards}
                 recs.append(live.pop(commit.seq.seq_id))
-                insert()
+                arrivals.later()
     stats = summarize(recs, schedule.window)
     if counted is not None:
         forwards = engine.forwards - counted[0]
@@ -133,6 +139,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first")
     ap.add_argument("--requests", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--arrival-delay-ms",
+        type=float,
+        default=0.0,
+        help="each next request comes a random 0..this later (as clients over a network), "
+        "for both sides; 0: at once (arrivals then stay in step with each other)",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = ap.parse_args()
     if args.model == "random-qwen3-8b":
@@ -159,6 +172,7 @@ def main() -> None:
         "max_tokens": args.max_tokens,
         "duration_s": args.duration,
         "rounds": args.rounds,
+        "arrival_delay_ms": args.arrival_delay_ms,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "levels": bench(parts, mlm, prompts, stops, args),
     }

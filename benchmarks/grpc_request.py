@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from benchmarks.serve_mlxlm import Rec, now
 from common.generation_params import GenerationParams
-from wedlm_client.client import ClusterError, WedlmClient
+from wedlm_client.client import ClusterError, WedlmClient, final_dict
 
 
 def stream_request(client: WedlmClient, text: str, params: GenerationParams, rec: Rec) -> bool:
@@ -20,4 +20,24 @@ def stream_request(client: WedlmClient, text: str, params: GenerationParams, rec
     except ClusterError as e:
         rec.error = e.code.name
         return False
+    return True
+
+
+def wait_request(client: WedlmClient, text: str, params: GenerationParams, rec: Rec) -> bool:
+    """The same request without a stream: Submit, then WaitJob until it ends (the
+    coordinator wakes no thread of this request per commit). Its tokens count as one
+    event at the end."""
+    try:
+        job_id = client.submit(text=text, params=params)
+        while True:
+            job = client.wait_job(job_id, timeout_s=30.0)
+            if job.HasField("result"):
+                break
+    except ClusterError as e:
+        rec.error = e.code.name
+        return False
+    final = final_dict(job.result)
+    rec.events.append((now(), len(final["tokens"])))
+    rec.final = final
+    rec.error = "FINAL_ERROR" if final.get("error") else None
     return True

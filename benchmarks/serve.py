@@ -45,8 +45,11 @@ PHASES = ("sweep", "mlxlm", "pipeline", "wedlm", "http")
 
 
 # ---- the closed loop over gRPC -------------------------------------------------------------
-def grpc_level(address: str, c: int, prompts, params: GenerationParams, args) -> dict:
-    """C threads, each: send a request, read its stream to the end, send the next."""
+def grpc_level(
+    address: str, c: int, prompts, params: GenerationParams, args, request=stream_request
+) -> dict:
+    """C threads, each: send a request, read its stream to the end, send the next
+    (`request`: grpc_request.stream_request, or wait_request for Submit + WaitJob)."""
     schedule = Schedule(args.duration, args.requests, args.warmup)
     recs: list[Rec] = []
 
@@ -55,7 +58,7 @@ def grpc_level(address: str, c: int, prompts, params: GenerationParams, args) ->
             for k in itertools.count(i, c):
                 if (rec := schedule.next()) is None:
                     return
-                if not stream_request(client, prompts[k % len(prompts)], params, rec):
+                if not request(client, prompts[k % len(prompts)], params, rec):
                     time.sleep(0.05)  # do not spin on a refusal
                 rec.end = now()
                 recs.append(rec)

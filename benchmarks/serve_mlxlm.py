@@ -109,13 +109,44 @@ def summarize(recs: list[Rec], window: tuple[float, float] | None) -> dict:
 
 
 # ---- mlx-lm BatchGenerator -----------------------------------------------------------------
+class Arrivals:
+    """When a closed loop's next requests come: at once, or each after a random delay of
+    up to `delay_s` (a client's round trip: arrivals then scatter as they do over a
+    network). `due()` says how many are due now."""
+
+    def __init__(self, delay_s: float = 0.0, seed: int = 0) -> None:
+        self.delay_s = delay_s
+        self._rng = np.random.default_rng(seed)
+        self._times: list[float] = []
+
+    def later(self) -> None:
+        self._times.append(now() + self._rng.uniform(0.0, self.delay_s))
+
+    def due(self) -> int:
+        t = now()
+        ready = [x for x in self._times if x <= t]
+        self._times = [x for x in self._times if x > t]
+        return len(ready)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._times)
+
+    def wait(self) -> None:
+        """Sleep until the next one is due (nothing else to do)."""
+        if self._times:
+            time.sleep(max(min(self._times) - now(), 0.0))
+
+
 def level(model, prompts: list[list[int]], stops: list[int], c: int, args) -> dict:
-    """One concurrency level; a token's time is when BatchGenerator hands it back."""
+    """One concurrency level; a token's time is when BatchGenerator hands it back.
+    `args.arrival_delay_ms` (optional): each next request comes up to that much later."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, max_tokens=args.max_tokens, stop_tokens=[[t] for t in stops],
                          completion_batch_size=c, prefill_batch_size=c)  # fmt: skip
     schedule = Schedule(args.duration, args.requests, args.warmup)
+    arrivals = Arrivals(getattr(args, "arrival_delay_ms", 0.0) / 1e3)
     recs: list[Rec] = []
     live: dict[int, Rec] = {}
     order = itertools.count()
@@ -126,7 +157,12 @@ def level(model, prompts: list[list[int]], stops: list[int], c: int, args) -> di
 
     for _ in range(c):
         insert()
-    while live:
+    while live or arrivals.pending:
+        for _ in range(arrivals.due()):
+            insert()
+        if not live:
+            arrivals.wait()
+            continue
         responses = gen.next_generated()
         t = now()
         for r in responses:
@@ -136,7 +172,7 @@ def level(model, prompts: list[list[int]], stops: list[int], c: int, args) -> di
                 rec.end = t
                 rec.final = {"tokens_per_forward": 1.0, "forwards": len(rec.events)}
                 recs.append(live.pop(r.uid))
-                insert()
+                arrivals.later()
     gen.close()
     stats = summarize(recs, schedule.window)
     print(f"  mlx-lm C={c}: {stats['tok_s']} tok/s, TTFT p50 {stats['ttft_ms_p50']} ms",

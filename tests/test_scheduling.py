@@ -293,3 +293,38 @@ def test_prefill_hold_flags_are_validated(tmp_path):
     config.write_text("prefill_batch = 0\n")
     with pytest.raises(WedlmError, match="prefill_batch must be positive"):
         load_serve_config(config)
+
+
+def test_sequences_joining_a_decode_group_ride_the_look_ahead(model):
+    """A prompt whose prefill ends joins its group's next look-ahead forward: arrivals cost
+    one regular decode launch each (the one after their prefill), not two, and the tokens
+    equal a run without look-ahead."""
+    arrivals = ["one arrival", "a second one", "and a third"]
+    outputs, regular = {}, {}
+    for ahead in (True, False):
+        local = open_local_engine(model, num_rows=4)
+        engine = local.engine
+        engine.scheduler.limits = Limits(max_running=4, prefill_hold=0)
+        if not ahead:
+            engine._launch_ahead = lambda flight, tokens: False
+        launches: list[int] = []
+
+        def counted(unit, plans, launch=engine._launch, launches=launches):
+            launches.append(unit)
+            launch(unit, plans)
+
+        engine._launch = counted
+        params = GenerationParams(mode="ar", max_tokens=30)
+        seqs = [engine.submit(local.tokenizer.encode("the first stream"), params)]
+        while len(seqs[0].output) < 3:
+            engine.step()
+        for text in arrivals:
+            seqs.append(engine.submit(local.tokenizer.encode(text), params))
+            for _ in range(4):
+                engine.step()
+        while engine.has_work:
+            engine.step()
+        outputs[ahead] = [s.output for s in seqs]
+        regular[ahead] = sum(unit >= 0 for unit in launches)
+    assert outputs[True] == outputs[False]
+    assert regular[True] == 1 + len(arrivals)  # the first launch, then one per arrival

@@ -20,7 +20,7 @@ from common.model_parts import ModelParts
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, row_bucket
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import PrefixCache
-from coordinator.engine.row_plan import RowPlan, plan_speculative
+from coordinator.engine.row_plan import RowPlan, plan_autoregressive, plan_speculative
 from coordinator.engine.sampling import greedy_tokens, sample_tokens
 from coordinator.engine.scheduler import Commit, Limits, Scheduler
 from coordinator.engine.selection import entropy, select_fills
@@ -298,31 +298,42 @@ class Engine:
         """For a micro-batch of autoregressive decode rows, launch the next forward from the
         sampled tokens before reading them back, as mlx-lm does: the device computes step
         t+1 while the host checks stops of step t. A row that stops at t wastes one row of
-        t+1 (its KV past the end is stale and released)."""
+        t+1 (its KV past the end is stale and released). Sequences that joined the group
+        since (their prefill just ended) join this forward: their next input is already on
+        the host, so arrivals do not break the chain."""
         live = [i for i, p in enumerate(flight.plans) if not p.seq.finished]
         plans = [flight.plans[i] for i in live]
         if not plans or flight.unit < 0:
             return False
-        if not all(p.seq.phase is Phase.DECODE and p.seq.params.mode == "ar" for p in plans):
+        if not all(_ar_decoding(p.seq) for p in plans):
             return False
-        sched = self.scheduler
-        members = {s.seq_id for s in sched.groups[flight.unit] if not s.finished}
-        if members != {p.seq.seq_id for p in plans}:
-            return False  # the group changed: the next regular launch takes everyone
+        group = [s for s in self.scheduler.groups[flight.unit] if not s.finished]
+        running = {p.seq.seq_id for p in plans}
+        if not running <= {s.seq_id for s in group}:
+            return False  # a row left the group: the next regular launch takes everyone
+        joiners = [s for s in group if s.seq_id not in running]
+        if not all(_ar_decoding(s) for s in joiners):
+            return False
         if len(self.in_flight) + 1 >= self.micro_batches and self._other_work(flight.unit):
             return False  # the slot is owed to a prefill or another group: no starving
-        if all(len(p.seq.output) + 1 >= p.seq.params.max_tokens for p in plans):
+        if not joiners and all(len(p.seq.output) + 1 >= p.seq.params.max_tokens for p in plans):
             return False  # every row ends at this step
-        if any(p.seq.kv_length + 2 > self.config.max_position_embeddings for p in plans):
+        limit = self.config.max_position_embeddings
+        if any(p.seq.kv_length + 2 > limit for p in plans):
+            return False
+        if any(s.kv_length + 1 > limit for s in joiners):
             return False
         started = time.perf_counter()
         nxt = [
             RowPlan(p.seq, np.zeros(1, np.int32), p.filled, 1, p.head_slots, p.head_is_mask)
             for p in plans
-        ]
+        ] + [plan_autoregressive(s) for s in joiners]
         batch = build_batch(nxt, padding_ids=self._padding_ids(flight.unit, len(nxt)))
-        batch.spec.starts[: len(nxt)] += 1  # after step t's row becomes permanent
+        batch.spec.starts[: len(plans)] += 1  # after step t's row becomes permanent
         ids = tokens[mx.array(live), :1]
+        if joiners:  # their first token came back with their prefill
+            last = mx.array([[s.output[-1]] for s in joiners], dtype=ids.dtype)
+            ids = mx.concatenate([ids, last])
         pad = batch.tokens.shape[0] - ids.shape[0]
         if pad:
             ids = mx.concatenate([ids, mx.zeros((pad, 1), ids.dtype)])
@@ -427,3 +438,8 @@ class Engine:
             for c in self.step():
                 if c.seq.seq_id in wanted:
                     yield c
+
+
+def _ar_decoding(seq: Sequence) -> bool:
+    """An autoregressive sequence past its prompt, with its next input token known."""
+    return seq.phase is Phase.DECODE and seq.params.mode == "ar" and bool(seq.output)
