@@ -5,12 +5,13 @@ this includes what arrivals cost: prefill forwards and the decode batch changing
 membership; unlike benchmarks/stages.py's `alone` phase it leaves out the serving path
 (gRPC, jobs, detokenization), so the two together say where a serving gap comes from.
 
-Engine variants differ in the prefill hold (coordinator/engine/scheduler.py): --holds 0 4
-runs it with new prompts prefilled at once and with prompts waiting up to 4 decode steps to
-share a prefill forward. Variants rotate round by round (round 0 warms up); medians over the
-rounds. Prints one JSON object and writes arrivals.json to --out.
+Engine variants (--variants) differ in the prefill hold (coordinator/engine/scheduler.py) and
+the prefix cache: `hold0` prefills new prompts at once, `hold4` lets them wait up to 4 decode
+steps to share a prefill forward, a `-cache` suffix adds the prefix cache (as a server runs).
+Variants rotate round by round (round 0 warms up); medians over the rounds. Prints one JSON
+object and writes arrivals.json to --out.
 
-  python benchmarks/arrivals.py --model random-qwen3-8b --concurrency 16 32 --holds 0 4
+  python benchmarks/arrivals.py --model random-qwen3-8b --concurrency 16 32 --variants hold0 hold4
   python benchmarks/arrivals.py --model random-qwen3-8b --layers 2 --hidden 256 --duration 3
 """
 
@@ -39,14 +40,19 @@ from common.model_parts import ModelParts, load_model_parts
 from coordinator.engine.engine import Engine, Limits
 from coordinator.engine.local_engine import resolve_model
 from coordinator.engine.pipeline import LocalPipeline
+from coordinator.engine.prefix_cache import PrefixCache
 
 KEYS = ("tok_s", "ttft_ms_p50", "tpot_ms_p50", "forwards_per_step", "prefill_forwards_per_step")
 
 
-def engine_level(parts: ModelParts, prompts, stops, c: int, hold: int, args) -> dict:
+def engine_level(parts: ModelParts, prompts, stops, c: int, variant: str, args) -> dict:
     """One concurrency level through a fresh engine (the same loop as mlx-lm's level)."""
-    limits = Limits(prefill_hold=hold)
-    engine = Engine(parts, LocalPipeline(parts), c, stop_ids=tuple(stops), limits=limits)
+    hold, _, extra = variant.removeprefix("hold").partition("-")
+    limits = Limits(prefill_hold=int(hold))
+    cache = PrefixCache() if extra == "cache" else None
+    engine = Engine(
+        parts, LocalPipeline(parts), c, stop_ids=tuple(stops), limits=limits, prefix_cache=cache
+    )
     params = GenerationParams(mode="ar", max_tokens=args.max_tokens)
     schedule = Schedule(args.duration, args.requests, args.warmup)
     arrivals = Arrivals(args.arrival_delay_ms / 1e3)
@@ -88,7 +94,7 @@ def engine_level(parts: ModelParts, prompts, stops, c: int, hold: int, args) -> 
         decode = engine.scheduler.decode_forwards - counted[1]
         stats["forwards_per_step"] = round(forwards / max(decode, 1), 3)
         stats["prefill_forwards_per_step"] = round((forwards - decode) / max(decode, 1), 3)
-    print(f"  engine hold={hold} C={c}: {stats['tok_s']} tok/s, TTFT p50 {stats['ttft_ms_p50']}"
+    print(f"  engine {variant} C={c}: {stats['tok_s']} tok/s, TTFT p50 {stats['ttft_ms_p50']}"
           f" ms, prefill forwards/step {stats.get('prefill_forwards_per_step')}",
           file=sys.stderr, flush=True)  # fmt: skip
     return stats
@@ -100,7 +106,7 @@ def med(rounds: list[dict], key: str) -> float | None:
 
 
 def bench(parts: ModelParts, mlm, prompts, stops, args) -> dict:
-    names = ["mlxlm", *(f"hold{h}" for h in args.holds)]
+    names = ["mlxlm", *args.variants]
     out = {}
     for c in args.concurrency:
         runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -109,7 +115,7 @@ def bench(parts: ModelParts, mlm, prompts, stops, args) -> dict:
                 if name == "mlxlm":
                     stats = mlxlm_level(mlm, prompts, stops, c, args)
                 else:
-                    stats = engine_level(parts, prompts, stops, c, int(name[4:]), args)
+                    stats = engine_level(parts, prompts, stops, c, name, args)
                 mx.clear_cache()
                 if r:
                     runs[name].append(stats)
@@ -133,7 +139,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36, help="random-qwen3-8b only")
     ap.add_argument("--hidden", type=int, default=4096, help="random-qwen3-8b only")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 32])
-    ap.add_argument("--holds", type=int, nargs="+", default=[0, 4])
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["hold0", "hold4"],
+        help="engine variants: holdN (prefill hold N steps), optionally with -cache",
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--duration", type=float, default=8.0, help="measured seconds per run")
     ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first")
