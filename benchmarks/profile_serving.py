@@ -146,6 +146,9 @@ def main() -> None:
         loader.join()
         result["load"] = {k: load.get(k) for k in ("tok_s", "ttft_ms_p50", "tpot_ms_p50")}
     finally:
+        if cluster.coordinator is not None:  # what it said last (why it ended, if it did)
+            result["coordinator_log"] = "".join(cluster.coordinator.log[-60:])[-6000:]
+            result["coordinator_exit"] = cluster.coordinator.popen.poll()
         cluster.stop()
     (args.out / "profile_serving.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
