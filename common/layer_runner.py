@@ -23,8 +23,8 @@ class RowsError(WedlmError):
 
 MAX_WIDTH = 4096  # rows per sequence in one forward (window masks are B x T x T on the host)
 # MLX keeps freed buffers for reuse; like mlx-lm (after each prompt chunk, every 256 decode
-# steps) the cache is emptied after this many rows have run, or this many forwards, so that
-# prompt-sized temporaries do not pile up beside the weights and the KV.
+# steps) the cache is emptied after this many KV rows were written, or this many forwards, so
+# that prompt-sized temporaries do not pile up beside the weights and the KV.
 CLEAR_CACHE_ROWS = 2048
 CLEAR_CACHE_FORWARDS = 256
 
@@ -116,10 +116,14 @@ class LayerRunner:
         kv = self.store.rows_for(spec.seq_ids)
         out = run_layers(self.parts, hidden, kv, spec.windows())
         kv.commit(spec.keeps)
-        self._rows_run += spec.num_rows * spec.width
+        self._rows_run += int(spec.keeps.sum())  # KV rows written: what grows the buffers
         self._forwards_run += 1
         if self._rows_run >= CLEAR_CACHE_ROWS or self._forwards_run >= CLEAR_CACHE_FORWARDS:
-            mx.clear_cache()  # buffers of the forward in flight are in use, not cached
+            # Freed only at a point where nothing runs: MLX's CUDA backend records kernels
+            # into graphs, and freeing device memory while one is being recorded aborts
+            # the process (seen on an H100). One wait per 256 forwards.
+            mx.synchronize()
+            mx.clear_cache()
             self._rows_run = self._forwards_run = 0
         return out
 
