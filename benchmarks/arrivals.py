@@ -133,6 +133,40 @@ def bench(parts: ModelParts, mlm, prompts, stops, args) -> dict:
     return out
 
 
+def plot(result: dict, path: Path) -> None:
+    """Per concurrency level: tok/s of mlx-lm and each engine variant (medians), and the
+    prefill forwards each decode step paid."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing: no plot", file=sys.stderr)
+        return
+    levels = result["levels"]
+    names = list(next(iter(levels.values()))["medians"])
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    x = np.arange(len(levels))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        tok = [levels[c]["medians"][name]["tok_s"] or 0 for c in levels]
+        axes[0].bar(x + i * width, tok, width, label=name)
+        if name != "mlxlm":
+            pre = [levels[c]["medians"][name]["prefill_forwards_per_step"] or 0 for c in levels]
+            axes[1].bar(x + i * width, pre, width, label=name, color=f"C{i}")
+    labels = ("tok/s (median)", "prefill forwards per decode step")
+    for ax, label in zip(axes, labels, strict=True):
+        ax.set_xticks(x + width * (len(names) - 1) / 2, [f"C={c}" for c in levels])
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    delay = result.get("arrival_delay_ms", 0)
+    fig.suptitle(f"{result['model']}: arrivals in one process (delay up to {delay} ms), "
+                 f"{result['date']}", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="random-qwen3-8b")
@@ -158,7 +192,11 @@ def main() -> None:
         "for both sides; 0: at once (arrivals then stay in step with each other)",
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    ap.add_argument("--plot-only", type=Path, help="redraw the plot of this arrivals.json")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.plot_only.read_text()), args.plot_only.with_suffix(".png"))
+        return
     if args.model == "random-qwen3-8b":
         parts, mlm = random_qwen3(args.layers, args.hidden)
         name = f"random-qwen3-8b(layers={args.layers},hidden={args.hidden})"
@@ -189,6 +227,7 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "arrivals.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / "arrivals.png")
     print(json.dumps(result))
 
 
