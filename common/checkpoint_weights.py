@@ -11,7 +11,10 @@ import mlx.core as mx
 
 from common.errors import CheckpointError
 
-_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+# A transformer layer's tensors: `model.layers.N.` (mlx-lm families), and DiffusionGemma's
+# decoder layers and their encoder-side scalars (`model.decoder.layers.N.`,
+# `model.encoder.language_model.layers.N.`).
+_LAYER_KEY = re.compile(r"^model\.(?:decoder\.|encoder\.language_model\.)?layers\.(\d+)\.")
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -51,8 +54,7 @@ def load_tensors(path: Path, wanted: Callable[[str], bool]) -> dict[str, mx.arra
 
 def layer_nbytes(path: Path, layer: int = 0) -> int:
     """Bytes of one transformer layer's weights as stored (shapes only; nothing is read)."""
-    prefix = f"model.layers.{layer}."
-    return sum(v.nbytes for v in load_tensors(path, lambda k: k.startswith(prefix)).values())
+    return sum(v.nbytes for v in load_tensors(path, lambda k: layer_of(k) == layer).values())
 
 
 def layer_file_name(layer: int) -> str:

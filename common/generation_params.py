@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 
 from common.errors import InvalidRequest
 
-MODES = ("wedlm", "ar", "speculative")
+# "auto": the served model's own decoding (diffusion for a diffusion model, else wedlm);
+# the engine resolves it when a request arrives.
+MODES = ("auto", "wedlm", "ar", "speculative", "diffusion")
+# Diffusion mode's samplers: mlx-vlm's reference sampler exactly ("faithful"), or the
+# faster one (exact top-K, top-K self-conditioning, two-stage confidence schedule, repair
+# pass, EOS tail-drop, repeat guard: coordinator/engine/diffusion/turbo.py).
+DIFFUSION_SAMPLERS = ("faithful", "turbo")
+MAX_DENOISING_STEPS = 1024
 # Where speculative mode's drafts come from: the model's own mask-slot predictions of the
 # previous forward (WeDLM-trained models), n-gram matches in the prompt and output so far,
 # or a small draft model on the coordinator. "auto" picks the draft model when one is
@@ -19,7 +26,7 @@ MAX_FORWARD_ROWS = 3 * MAX_WINDOW  # the widest decode forward of one sequence (
 
 @dataclass(frozen=True)
 class GenerationParams:
-    mode: str = "wedlm"
+    mode: str = "auto"  # MODES; "auto" is resolved by the engine (engine.resolve_mode)
     window: int = 16
     threshold: float | None = 0.4  # None: one-by-one mode (fill only the argmin slot)
     penalty: float = 0.02
@@ -31,6 +38,8 @@ class GenerationParams:
     stop_strings: tuple[str, ...] = ()
     seed: int = 0
     draft: str = "auto"  # speculative mode's draft source (DRAFT_SOURCES)
+    sampler: str = "turbo"  # diffusion mode's sampler (DIFFUSION_SAMPLERS)
+    steps: int = 0  # diffusion mode: denoising steps per canvas at most (0: the model's)
     extra_stop_ids: tuple[int, ...] = field(default=(), compare=False)  # model's EOS ids
 
     def __post_init__(self) -> None:
@@ -47,6 +56,15 @@ class GenerationParams:
         if self.draft != "auto" and self.mode != "speculative":
             raise bad(
                 f"draft {self.draft!r} applies to mode speculative only (mode is {self.mode!r})"
+            )
+        if self.sampler not in DIFFUSION_SAMPLERS:
+            raise bad(
+                f"sampler must be one of {', '.join(DIFFUSION_SAMPLERS)}, got {self.sampler!r}"
+            )
+        if not 0 <= self.steps <= MAX_DENOISING_STEPS:
+            raise bad(
+                f"steps must be between 1 and {MAX_DENOISING_STEPS} (0: the model's), "
+                f"got {self.steps}"
             )
         if not 1 <= self.window <= MAX_WINDOW:
             raise bad(f"window must be between 1 and {MAX_WINDOW}, got {self.window}")
@@ -76,7 +94,10 @@ class GenerationParams:
         """The most rows one forward of this request writes past its committed KV: AR feeds
         its last token; WeDLM a window of W plus the p slots it commits; speculative mode
         up to W pending committed tokens, W - 1 drafts and W mask slots."""
-        return {"ar": 1, "wedlm": 2 * self.window, "speculative": 3 * self.window}[self.mode]
+        if self.mode == "diffusion":
+            return 0  # canvases: the diffusion scheduler counts them (it knows their length)
+        rows = {"ar": 1, "wedlm": 2 * self.window, "speculative": 3 * self.window}
+        return rows.get(self.mode, 2 * self.window)  # "auto": as wedlm until resolved
 
     @property
     def all_stop_ids(self) -> frozenset[int]:

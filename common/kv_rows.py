@@ -147,6 +147,10 @@ class KVRows:
         else:
             self.layers = [QuantizedLayerKV(kv.bits, kv.group_size) for _ in range(num_layers)]
         self.lengths = np.zeros(num_rows, dtype=np.int64)  # host copy: no device reads
+        # Per row, the end of rows past its length that later forwards still read (a
+        # diffusion canvas: a compacted forward reuses the K/V of positions it does not
+        # forward). Kept through gathers and shrinks like committed rows.
+        self.reserved = np.zeros(num_rows, dtype=np.int64)
         self.seq_ids = list(seq_ids) if seq_ids is not None else list(range(num_rows))
         self.capacity = 0
         self.span = 0
@@ -192,6 +196,10 @@ class KVRows:
             layer.offset = offset
             layer._rows = weakref.ref(self)
 
+    def reserve(self, ends: np.ndarray) -> None:
+        """Keep each row's positions up to ends[b] (a canvas written past its length)."""
+        self.reserved = np.maximum(self.reserved, ends)
+
     def commit(self, counts: np.ndarray | list[int]) -> None:
         """Make the first counts[b] rows of the last forward permanent for row b."""
         self.lengths = self.lengths + np.asarray(counts, dtype=np.int64)
@@ -202,8 +210,9 @@ class KVRows:
         finished sequences) then cost about their own length, not the batch's."""
         idx = mx.array(rows, dtype=mx.int32)
         self.lengths = self.lengths[rows]
+        self.reserved = self.reserved[rows]
         self.seq_ids = [self.seq_ids[r] for r in rows]
-        longest = int(self.lengths.max()) if len(rows) else 0
+        longest = int(np.maximum(self.lengths, self.reserved).max()) if len(rows) else 0
         self.capacity = min(self.capacity, max(-(-longest // GROW_STEP), 1) * GROW_STEP)
         for layer in self.layers:
             layer.keep_rows(idx, self.capacity)

@@ -112,9 +112,11 @@ class KVStore:
         sources = [(f[0], f[1]) if f is not None else None for f in found]
         batches = list({id(f[0]): f[0] for f in found if f is not None}.values())
         new.capacity = max((b.capacity for b in batches), default=0)
-        for row, f in enumerate(found):
+        for row, (sid, f) in enumerate(zip(seq_ids, found, strict=True)):
             if f is not None:
                 new.lengths[row] = f[2]
+                if sid not in self._forks:  # a moved row keeps its reserved positions
+                    new.reserved[row] = f[0].reserved[f[1]]
         for layer in range(self.num_layers):
             stored = [b.layers[layer] for b in batches if b.layers[layer].keys is not None]
             if not stored:

@@ -64,7 +64,23 @@ class LayerRunner:
             raise RowsError("INVALID_ARGUMENT", f"row widths must be in [1, {t}]")
         if ((spec.keeps < 0) | (spec.keeps > spec.widths)).any():
             raise RowsError("INVALID_ARGUMENT", "keep counts must be in [0, width]")
-        if (spec.starts < 0).any() or (spec.starts + spec.widths > self.max_positions).any():
+        if spec.has_canvas:
+            if not self.parts.config.diffusion:
+                raise RowsError(
+                    "INVALID_ARGUMENT",
+                    f"canvas slots are for diffusion models; {self.parts.config.model_type} "
+                    "decodes windows",
+                )
+            if (spec.keeps > spec.encoded()).any():
+                raise RowsError("INVALID_ARGUMENT", "a canvas never becomes permanent KV")
+            longest = int(max(spec.canvas.max(), 0 if spec.extent is None else spec.extent.max()))
+            if longest > self.parts.config.canvas_length:
+                raise RowsError(
+                    "INVALID_ARGUMENT",
+                    f"a canvas of {longest} slots exceeds this model's canvas_length "
+                    f"{self.parts.config.canvas_length}",
+                )
+        if (spec.starts < 0).any() or (spec.starts + spec.reach() > self.max_positions).any():
             raise RowsError(
                 "OUT_OF_RANGE", f"positions must stay within the context of {self.max_positions}"
             )
@@ -114,7 +130,12 @@ class LayerRunner:
         for sid, source, length in spec.forks:
             self.store.fork(sid, source, length)
         kv = self.store.rows_for(spec.seq_ids)
-        out = run_layers(self.parts, hidden, kv, spec.windows())
+        if self.parts.config.diffusion:
+            from common.diffusion.layers import run_diffusion_layers
+
+            out = run_diffusion_layers(self.parts, hidden, kv, spec)
+        else:
+            out = run_layers(self.parts, hidden, kv, spec.windows())
         kv.commit(spec.keeps)
         self._rows_run += int(spec.keeps.sum())  # KV rows written: what grows the buffers
         self._forwards_run += 1

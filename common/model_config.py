@@ -11,7 +11,8 @@ from typing import Any
 from common.errors import CheckpointError
 
 DEFAULT_MASK_TOKEN_ID = 151665  # WeDLM's [MASK]; released configs leave mask_token_id null
-SUPPORTED_MODEL_TYPES = ("wedlm", "qwen3", "qwen2", "llama", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("wedlm", "qwen3", "qwen2", "llama", "qwen3_moe", "diffusion_gemma")
+DIFFUSION_MODEL_TYPES = ("diffusion_gemma",)  # block-diffusion models: mlx-vlm's modules
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
@@ -44,6 +45,16 @@ class ModelConfig:
         keys = sorted(k for k in self.raw if k not in ("_name_or_path", "transformers_version"))
         blob = json.dumps({k: self.raw[k] for k in keys}, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @property
+    def diffusion(self) -> bool:
+        """A block-diffusion model (DiffusionGemma): it decodes canvases, not windows."""
+        return self.model_type in DIFFUSION_MODEL_TYPES
+
+    @property
+    def canvas_length(self) -> int:
+        """Positions of one diffusion canvas (0 for other models)."""
+        return int(self.raw.get("canvas_length") or 0) if self.diffusion else 0
 
     @property
     def wedlm_trained(self) -> bool:
@@ -80,12 +91,33 @@ def _int_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+def _flatten_text_config(path: Path, top: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal-layout config (DiffusionGemma: the text model's fields under
+    `text_config`) as one flat dict: the text fields, then the top level's own."""
+    text = top.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{path / 'config.json'}: text_config must be a JSON object")
+    flat = {k: v for k, v in top.items() if k != "text_config"}
+    flat.update({k: v for k, v in text.items() if k != "model_type"})
+    flat["text_config"] = text
+    canvas = top.get("canvas_length", 256)
+    if not isinstance(canvas, int) or canvas <= 0:
+        raise CheckpointError(
+            f"{path / 'config.json'}: canvas_length must be a positive integer, got {canvas!r}"
+        )
+    flat["canvas_length"] = canvas
+    if top.get("eos_token_id") is None:
+        flat["eos_token_id"] = text.get("eos_token_id")
+    return flat
+
+
 def load_model_config(path: str | Path) -> ModelConfig:
     path = Path(path).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"model folder {path} does not exist")
-    raw = _read_json(path / "config.json")
-    model_type = raw.get("model_type")
+    top = _read_json(path / "config.json")
+    model_type = top.get("model_type")
+    raw = _flatten_text_config(path, top) if model_type in DIFFUSION_MODEL_TYPES else top
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
             f"{path / 'config.json'}: unsupported model_type {model_type!r} "
@@ -102,8 +134,10 @@ def load_model_config(path: str | Path) -> ModelConfig:
     if gen_path.exists():
         eos += [i for i in _int_list(_read_json(gen_path).get("eos_token_id")) if i not in eos]
     mask_id = raw.get("mask_token_id")
+    if model_type in DIFFUSION_MODEL_TYPES:
+        mask_id = -1  # diffusion canvases start from random tokens, not a mask token
     quant = raw.get("quantization") or None
-    tie_default = model_type in ("llama", "qwen2")
+    tie_default = model_type in ("llama", "qwen2", "diffusion_gemma")
     return ModelConfig(
         path=path,
         raw=raw,

@@ -120,6 +120,10 @@ def load_model_parts(
             f"layer range {layer_range} is past the model's {config.num_layers} layers "
             f"(0-{config.num_layers - 1})"
         )
+    if config.diffusion:
+        from common.diffusion.parts import load_diffusion_parts
+
+        return load_diffusion_parts(config, layer_range, with_ends)
     try:
         arch = importlib.import_module(f"mlx_lm.models.{config.family}")
         # Building the whole mlx-lm model only creates lazy parameters; ModelParts keeps
@@ -154,7 +158,8 @@ LAUNCH_EVERY = 6  # layers per launched chunk of a forward's graph (0: one launc
 
 
 def run_layers(parts: ModelParts, hidden: mx.array, kv: KVRows, windows: np.ndarray) -> mx.array:
-    """Run `hidden` [rows, T, H] through this process's layers at the rows' current lengths."""
+    """Run `hidden` [rows, T, H] through this process's layers at the rows' current lengths
+    (an mlx-lm family's layers; a diffusion model's run in common/diffusion/layers.py)."""
     mask = kv.begin(windows)
     for i, (layer, cache) in enumerate(zip(parts.layers, kv.layers, strict=True), 1):
         hidden = layer(hidden, mask, cache=cache)

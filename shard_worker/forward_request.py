@@ -67,17 +67,61 @@ def rows_spec(
         raise _invalid(f"{b} rows of {t} slots is too large for one forward: split the batch")
     if len(request.filled) != b * t:
         raise _invalid(f"filled has {len(request.filled)} bytes, expected {b}×{t} = {b * t}")
-    filled = np.frombuffer(request.filled, dtype=np.uint8).reshape(b, t)
-    if (filled > 1).any():
-        raise _invalid("filled bytes must be 0 (mask or padding) or 1 (filled)")
+    kinds = np.frombuffer(request.filled, dtype=np.uint8).reshape(b, t)
+    if (kinds > 2).any():
+        raise _invalid("filled bytes must be 0 (mask or padding), 1 (filled) or 2 (canvas)")
+    widths = np.array(request.widths, dtype=np.int64)
+    canvas = _canvas(kinds, widths)
+    offsets, extent = _compaction(request, b, t, canvas, widths)
     return RowsSpec(
         seq_ids=[int(s) for s in request.seq_ids],
         starts=np.array(request.committed, dtype=np.int64),
-        widths=np.array(request.widths, dtype=np.int64),
-        filled=filled.astype(bool),
+        widths=widths,
+        filled=kinds > 0,
         keeps=np.array(request.keep, dtype=np.int64),
         forks=_forks(request, b, max_positions),
+        canvas=canvas,
+        offsets=offsets,
+        extent=extent,
     )
+
+
+def _compaction(
+    request, b: int, t: int, canvas: np.ndarray | None, widths: np.ndarray
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A compacted canvas forward's slot offsets and canvas extents, checked."""
+    if not request.slot_offsets and not request.canvas_extent:
+        return None, None
+    if len(request.slot_offsets) != 4 * b * t or len(request.canvas_extent) != b:
+        raise _invalid(
+            f"slot_offsets must hold {b}×{t} int32 and canvas_extent {b} entries "
+            f"(got {len(request.slot_offsets)} bytes, {len(request.canvas_extent)})"
+        )
+    offsets = np.frombuffer(request.slot_offsets, dtype="<i4").reshape(b, t).astype(np.int64)
+    extent = np.array(request.canvas_extent, dtype=np.int64)
+    natural = np.arange(t)[None, :]
+    counts = canvas if canvas is not None else np.zeros(b, np.int64)
+    for row in range(b):
+        if counts[row] != widths[row]:  # not a canvas-only row: slots in natural order
+            if not (offsets[row] == natural[0]).all():
+                raise _invalid(f"row {row}: only canvas-only rows may be compacted")
+            continue
+        used = offsets[row, : widths[row]]
+        if (used < 0).any() or (used >= extent[row]).any():
+            raise _invalid(f"row {row}: slot offsets must lie in [0, {int(extent[row])})")
+    return offsets, extent
+
+
+def _canvas(kinds: np.ndarray, widths: np.ndarray) -> np.ndarray | None:
+    """[B] canvas slots per row: a row's canvas (bytes 2) is the tail of its width."""
+    is_canvas = kinds == 2
+    if not is_canvas.any():
+        return None
+    counts = is_canvas.sum(axis=1)
+    for row, (n, w) in enumerate(zip(counts, widths, strict=True)):
+        if n and not (0 < w <= kinds.shape[1] and is_canvas[row, w - n : w].all()):
+            raise _invalid(f"row {row}: canvas slots (2) must be the last slots of its width")
+    return counts.astype(np.int64)
 
 
 def _forks(request, rows: int, max_positions: int) -> list[tuple[int, int, int]]:

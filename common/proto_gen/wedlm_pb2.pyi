@@ -36,7 +36,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("batch_id", "seq_ids", "committed", "widths", "keep", "filled", "positions", "hidden", "reply_rows", "plan_epoch", "stage_compute_s", "forks")
+    __slots__ = ("batch_id", "seq_ids", "committed", "widths", "keep", "filled", "positions", "hidden", "reply_rows", "plan_epoch", "stage_compute_s", "forks", "slot_offsets", "canvas_extent")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,8 @@ class ForwardRequest(_message.Message):
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STAGE_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     FORKS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    CANVAS_EXTENT_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     committed: _containers.RepeatedScalarFieldContainer[int]
@@ -61,7 +63,9 @@ class ForwardRequest(_message.Message):
     plan_epoch: int
     stage_compute_s: _containers.RepeatedScalarFieldContainer[float]
     forks: _containers.RepeatedCompositeFieldContainer[KVFork]
-    def __init__(self, batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., committed: _Optional[_Iterable[int]] = ..., widths: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., filled: _Optional[bytes] = ..., positions: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., reply_rows: _Optional[_Union[RowSelection, _Mapping]] = ..., plan_epoch: _Optional[int] = ..., stage_compute_s: _Optional[_Iterable[float]] = ..., forks: _Optional[_Iterable[_Union[KVFork, _Mapping]]] = ...) -> None: ...
+    slot_offsets: bytes
+    canvas_extent: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, batch_id: _Optional[int] = ..., seq_ids: _Optional[_Iterable[int]] = ..., committed: _Optional[_Iterable[int]] = ..., widths: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., filled: _Optional[bytes] = ..., positions: _Optional[_Iterable[int]] = ..., hidden: _Optional[_Union[Tensor, _Mapping]] = ..., reply_rows: _Optional[_Union[RowSelection, _Mapping]] = ..., plan_epoch: _Optional[int] = ..., stage_compute_s: _Optional[_Iterable[float]] = ..., forks: _Optional[_Iterable[_Union[KVFork, _Mapping]]] = ..., slot_offsets: _Optional[bytes] = ..., canvas_extent: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVFork(_message.Message):
     __slots__ = ("seq_id", "source", "length")
@@ -262,7 +266,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "mode", "window", "threshold", "one_by_one", "penalty", "temperature", "top_p", "top_k", "max_tokens", "stop_ids", "stop", "seed", "deadline_s", "draft")
+    __slots__ = ("text", "token_ids", "chat", "mode", "window", "threshold", "one_by_one", "penalty", "temperature", "top_p", "top_k", "max_tokens", "stop_ids", "stop", "seed", "deadline_s", "draft", "sampler", "steps")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +284,8 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: bool
@@ -297,7 +303,9 @@ class GenerateRequest(_message.Message):
     seed: int
     deadline_s: float
     draft: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., window: _Optional[int] = ..., threshold: _Optional[float] = ..., one_by_one: _Optional[bool] = ..., penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., deadline_s: _Optional[float] = ..., draft: _Optional[str] = ...) -> None: ...
+    sampler: str
+    steps: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., window: _Optional[int] = ..., threshold: _Optional[float] = ..., one_by_one: _Optional[bool] = ..., penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., deadline_s: _Optional[float] = ..., draft: _Optional[str] = ..., sampler: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "forwards", "tokens_per_forward", "prefill_s", "decode_s", "queue_s", "drafted_tokens", "accepted_drafts", "cached_tokens")

@@ -49,7 +49,11 @@ def forward_header(
         committed=spec.starts.tolist(),
         widths=spec.widths.tolist(),
         keep=spec.keeps.tolist(),
-        filled=np.ascontiguousarray(spec.filled, dtype=np.uint8).tobytes(),
+        filled=np.ascontiguousarray(spec.slot_kinds()).tobytes(),
+        slot_offsets=(
+            b"" if spec.offsets is None else np.ascontiguousarray(spec.offsets, "<i4").tobytes()
+        ),
+        canvas_extent=[] if spec.extent is None else [int(e) for e in spec.extent],
         positions=spec.starts.tolist(),
         plan_epoch=plan_epoch,
         forks=[pb.KVFork(seq_id=d, source=s, length=n) for d, s, n in spec.forks],
