@@ -11,7 +11,14 @@ import sys
 from collections.abc import Sequence as Seq
 
 from common.errors import WedlmError
-from common.generation_params import DRAFT_SOURCES, MAX_WINDOW, MODES, GenerationParams
+from common.generation_params import (
+    DIFFUSION_SAMPLERS,
+    DRAFT_SOURCES,
+    MAX_DENOISING_STEPS,
+    MAX_WINDOW,
+    MODES,
+    GenerationParams,
+)
 
 
 def _id_list(text: str) -> tuple[int, ...]:
@@ -60,9 +67,24 @@ def add_generation_flags(p: argparse.ArgumentParser, prompt_required: bool = Tru
     p.add_argument(
         "--mode",
         choices=MODES,
-        default="wedlm",
-        help="wedlm: parallel decoding; ar: one token per forward; speculative: drafts "
-        "verified by the model (exactly AR's output, several tokens per forward when they hold)",
+        default="auto",
+        help="auto: the model's own (diffusion for a diffusion model, else wedlm); wedlm: "
+        "parallel decoding; ar: one token per forward; speculative: drafts verified by the "
+        "model (exactly AR's output, several tokens per forward when they hold); diffusion: "
+        "canvases denoised over several forwards (DiffusionGemma)",
+    )
+    p.add_argument(
+        "--sampler",
+        choices=DIFFUSION_SAMPLERS,
+        default="turbo",
+        help="diffusion mode: turbo (top-K sampling chain, two-stage confidence, repair "
+        "pass, EOS tail-drop, repeat guard) or faithful (mlx-vlm's reference sampler)",
+    )
+    p.add_argument(
+        "--steps",
+        type=_bounded(int, 0, MAX_DENOISING_STEPS),
+        default=0,
+        help="diffusion mode: denoising steps per canvas at most (0: the model's)",
     )
     p.add_argument(
         "--draft",
@@ -99,6 +121,8 @@ def params_from_args(args: argparse.Namespace) -> GenerationParams:
         stop_strings=tuple(args.stop),
         seed=args.seed,
         draft=args.draft,
+        sampler=args.sampler,
+        steps=args.steps,
     )
 
 

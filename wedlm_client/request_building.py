@@ -28,6 +28,8 @@ def request_from_params(
         seed=params.seed,
         deadline_s=deadline_s,
         draft=params.draft,
+        sampler=params.sampler,
+        steps=params.steps,
     )
     if params.threshold is None:
         req.one_by_one = True

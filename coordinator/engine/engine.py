@@ -40,6 +40,8 @@ class InFlight:
 
 
 class Engine:
+    default_mode = "wedlm"  # what requests in mode "auto" decode with
+
     def __init__(
         self,
         parts: ModelParts,
@@ -107,8 +109,12 @@ class Engine:
         return self.scheduler.waiting
 
     # ---- requests -------------------------------------------------------------------
+    def resolve_mode(self, params: GenerationParams) -> GenerationParams:
+        """Mode "auto" becomes this engine's own decoding."""
+        return replace(params, mode=self.default_mode) if params.mode == "auto" else params
+
     def submit(self, prompt: list[int], params: GenerationParams) -> Sequence:
-        params = self.resolve_drafts(params)
+        params = self.resolve_drafts(self.resolve_mode(params))
         self.validate_prompt(prompt, params)
         params = replace(params, extra_stop_ids=self.model_stop_ids)
         seq = Sequence(next(self._ids), list(prompt), params, text_tail=self.text_tail)
@@ -127,6 +133,11 @@ class Engine:
     def validate_prompt(self, prompt: list[int], params: GenerationParams) -> None:
         if not prompt:
             raise InvalidRequest("the prompt is empty")
+        if params.mode == "diffusion":
+            raise InvalidRequest(
+                f"mode diffusion needs a block-diffusion model (DiffusionGemma); this model "
+                f"({self.config.model_type}) decodes with wedlm, ar or speculative"
+            )
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:

@@ -10,6 +10,7 @@ from common.kv_format import FULL, KVFormat
 from common.model_parts import load_model_parts
 from common.tokenizer import Tokenizer
 from coordinator.engine.engine import Engine
+from coordinator.engine.engine_for import engine_for
 from coordinator.engine.pipeline import LocalPipeline
 from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.model_source.hub_model import download_model, looks_like_repo_id
@@ -43,7 +44,7 @@ def open_local_engine(
     host_info.wire_model_memory()
     parts = load_model_parts(path)
     tokenizer = Tokenizer(path)
-    engine = Engine(
+    engine = engine_for(
         parts,
         LocalPipeline(parts, kv),
         num_rows,

@@ -17,7 +17,9 @@ def generate_locally(
     tok = local.tokenizer
     if getattr(args, "draft_model", None):
         from coordinator.engine.draft_model import DraftModel
+        from coordinator.engine.engine_for import check_draft_model
 
+        check_draft_model(local.engine.parts)
         local.engine.use_drafter(DraftModel.load(args.draft_model, local.engine.config, tok))
     prompt = list(args.prompt_ids) if args.prompt_ids else tok.encode(args.prompt, args.chat)
     seq = local.engine.submit(prompt, params)

@@ -21,6 +21,9 @@ class RowPlan:
     head_is_mask: np.ndarray  # [K] which of those may be filled this step
     commits: list[int] = field(default_factory=list)  # tokens committed by this forward
     drafts: int = 0  # speculative mode: draft rows after the `keep` pending ones
+    canvas: int = 0  # diffusion mode: trailing slots that are a canvas (bidirectional)
+    offsets: np.ndarray | None = None  # compacted canvas: each slot's canvas position
+    extent: int = 0  # compacted canvas: its length (positions the slots see)
 
     @property
     def width(self) -> int:

@@ -161,7 +161,7 @@ class Scheduler:
         for seq in self.groups[unit]:
             if seq.finished:
                 continue
-            plan = plan_next(seq, self.mask_token_id, self.limits.prefill_chunk, self.max_positions)
+            plan = self.plan(seq)
             if plan.commits and seq.would_finish(plan.commits):
                 # The tokens that end the sequence are known: no forward is needed.
                 before = len(seq.output)
@@ -175,6 +175,15 @@ class Scheduler:
             else:
                 plans.append(plan)
         return plans
+
+    def plan(self, seq: Sequence) -> RowPlan:
+        """What `seq` contributes to its next forward (a decoding strategy's rule)."""
+        return plan_next(seq, self.mask_token_id, self.limits.prefill_chunk, self.max_positions)
+
+    def apply(self, plan: RowPlan, row: int, fills, tokens) -> list[int]:
+        """Apply row `row` of a forward's results to its sequence; the new tokens."""
+        k = plan.head_slots.size
+        return apply_result(plan, fills[row, :k], tokens[row, :k])
 
     def prefill_pending(self) -> list[Sequence]:
         return [s for s in self.running if s.phase is Phase.PREFILL and not s.finished]
@@ -205,7 +214,7 @@ class Scheduler:
             return plans
         width = 0
         for seq in self.prefill_pending():
-            plan = plan_next(seq, self.mask_token_id, self.limits.prefill_chunk, self.max_positions)
+            plan = self.plan(seq)
             # the forward's size once padded (forward_shapes): it stays within the budget
             padded = padded_width(max(width, plan.width)) * row_bucket(len(plans) + 1)
             if plans and padded > self.limits.prefill_budget:
@@ -229,9 +238,8 @@ class Scheduler:
             seq = plan.seq
             if seq.finished:  # cancelled while its forward was in flight
                 continue
-            k = plan.head_slots.size
             was_prefill = seq.phase is Phase.PREFILL
-            new = apply_result(plan, fills[i, :k], tokens[i, :k])
+            new = self.apply(plan, i, fills, tokens)
             if was_prefill and seq.decode_started is None:  # the prompt, not a rebuild
                 seq.prefill_started = seq.prefill_started or started
                 seq.prefill_s = done_at - seq.prefill_started

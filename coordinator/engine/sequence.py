@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +40,8 @@ class Sequence:
     drafted: int = 0  # draft tokens verified so far
     accepted: int = 0  # of which equalled the model's own choice (committed)
     forwards: int = 0  # forwards that produced tokens for this sequence
+    canvas: Any = None  # diffusion mode: the canvas being denoised (diffusion/canvas.py)
+    canvases: int = 0  # diffusion mode: canvases committed so far
     finish_reason: str | None = None
     prefill_s: float = 0.0  # wall time from its first prefill launch to the prompt's end
     decode_s: float = 0.0  # wall time from its first decode launch to its last commit
@@ -65,6 +68,7 @@ class Sequence:
         self.prefilled = 0
         self.prefix = None  # the cache is dropped with the stages' KV: all is rebuilt
         self.cached_tokens = 0
+        self.canvas = None  # a canvas starts afresh on the rebuilt KV
         if not self.finished:
             self.phase = Phase.PREFILL
 

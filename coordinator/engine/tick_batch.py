@@ -147,5 +147,19 @@ def build_batch(plans: list[RowPlan], padding_ids: list[int] = ()) -> TickBatch:
             for p in plans
             if p.seq.prefix is not None and not p.seq.prefix.sent
         ],
+        canvas=(
+            np.array([p.canvas for p in plans] + [0] * pad, dtype=np.int64)
+            if any(p.canvas for p in plans)
+            else None
+        ),
     )
+    if any(p.offsets is not None for p in plans):
+        spec.offsets = np.tile(np.arange(width), (b, 1))
+        spec.extent = spec.widths.copy()
+        for i, p in enumerate(plans):
+            if p.offsets is not None:
+                spec.offsets[i, : p.width] = p.offsets
+                # padding slots write past the canvas, never over a position it reuses
+                spec.offsets[i, p.width :] = p.extent + np.arange(width - p.width)
+                spec.extent[i] = p.extent
     return TickBatch(plans, tokens, spec, head_slots, head_is_mask)

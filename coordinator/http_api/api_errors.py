@@ -39,10 +39,19 @@ def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status)
 
 
-def from_refusal(refusal: Refused, param: str | None = None) -> ApiError:
+def from_refusal(
+    refusal: Refused, param: str | None = None, fields: tuple[str, ...] = ()
+) -> ApiError:
+    """`param`: the field a TOO_LARGE refusal names; an invalid request whose message
+    starts with one of `fields` names that one (e.g. a mode this model does not decode)."""
     status = STATUS_OF_REFUSAL[refusal.kind]
     code = {TOO_LARGE: "context_length_exceeded", OVERLOADED: "overloaded"}.get(refusal.kind)
-    return ApiError(status, str(refusal), param if refusal.kind == TOO_LARGE else None, code)
+    message = str(refusal)
+    if refusal.kind == INVALID:
+        param = next((f for f in fields if message.startswith(f + " ")), None)
+    elif refusal.kind != TOO_LARGE:
+        param = None
+    return ApiError(status, message, param, code)
 
 
 def _field(loc: tuple) -> str:

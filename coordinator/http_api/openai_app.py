@@ -29,7 +29,12 @@ from coordinator.http_api.api_errors import (
 )
 from coordinator.http_api.job_events import JobEvents
 from coordinator.http_api.request_counting import CountRequests
-from coordinator.http_api.request_mapping import chat_prompt, completion_prompt, generation_params
+from coordinator.http_api.request_mapping import (
+    PARAM_FIELDS,
+    chat_prompt,
+    completion_prompt,
+    generation_params,
+)
 from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
 from coordinator.http_api.stop_text import StopText, trim_at_stop
 from coordinator.service.admission import Refused
@@ -141,7 +146,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
         try:
             job = await run_in_threadpool(admit, body, chat, events)
         except Refused as e:
-            raise from_refusal(e, body.limit_field()) from None
+            raise from_refusal(e, body.limit_field(), PARAM_FIELDS) from None
         return job, events
 
     async def answer(request: Request, body: GenerationFields, chat: bool):

@@ -21,8 +21,8 @@ from coordinator.http_api.schemas import (
 DEFAULTS = GenerationParams()
 MAX_STOP_STRINGS = 16
 # The error messages of GenerationParams.validate name their field first.
-_PARAM_FIELDS = ("mode", "window", "threshold", "penalty", "temperature", "top_p", "top_k",
-                 "max_tokens", "seed", "draft")  # fmt: skip
+PARAM_FIELDS = ("mode", "window", "threshold", "penalty", "temperature", "top_p", "top_k",
+                 "max_tokens", "seed", "draft", "sampler", "steps")  # fmt: skip
 
 
 def _message_text(i: int, message: ChatMessage) -> str:
@@ -96,7 +96,7 @@ def generation_params(
         threshold = None
     try:
         params = GenerationParams(
-            mode=body.mode or DEFAULTS.mode,
+            mode=body.mode or "auto",  # the served model's own decoding
             window=DEFAULTS.window if body.window is None else body.window,
             threshold=threshold,
             penalty=DEFAULTS.penalty if body.penalty is None else body.penalty,
@@ -108,10 +108,12 @@ def generation_params(
             stop_strings=_stop_strings(body.stop),
             seed=secrets.randbelow(2**32) if body.seed is None else body.seed % 2**32,
             draft=body.draft or DEFAULTS.draft,
+            sampler=body.sampler or DEFAULTS.sampler,
+            steps=body.steps or 0,
         )
     except InvalidRequest as e:
         message = str(e)
-        field = next((f for f in _PARAM_FIELDS if message.startswith(f)), None)
+        field = next((f for f in PARAM_FIELDS if message.startswith(f)), None)
         if message.startswith("stop ids"):
             field, message = "stop_token_ids", f"stop_token_ids: {message}"
         raise ApiError(400, message, field) from None

@@ -50,7 +50,9 @@ class GenerationFields(_Body):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     # WeDLM and sampling extras (extra_body)
-    mode: Literal["wedlm", "ar", "speculative"] | None = None
+    mode: Literal["auto", "wedlm", "ar", "speculative", "diffusion"] | None = None
+    sampler: Literal["turbo", "faithful"] | None = None  # diffusion mode
+    steps: int | None = None  # diffusion mode: denoising steps per canvas at most
     draft: Literal["auto", "mask", "lookup", "model"] | None = None
     window: int | None = None
     threshold: float | None = Field(default=None, allow_inf_nan=False)

@@ -56,6 +56,7 @@ class Admission:
         """Create the job and start it; `listen` (see Job.listen_with) is attached before
         the engine sees the job, so that no commit reaches it without its text."""
         loop = self.ready_loop()
+        params = self.engine.resolve_mode(params)
         try:
             self.engine.validate_prompt(prompt, params)
             if deadline_s < 0 or deadline_s != deadline_s:

@@ -20,7 +20,7 @@ def params_from_request(req: pb.GenerateRequest) -> GenerationParams:
         else (req.threshold if req.HasField("threshold") else DEFAULTS.threshold)
     )
     return GenerationParams(
-        mode=req.mode or DEFAULTS.mode,
+        mode=req.mode or "auto",  # the served model's own decoding
         window=req.window if req.HasField("window") else DEFAULTS.window,
         threshold=threshold,
         penalty=req.penalty if req.HasField("penalty") else DEFAULTS.penalty,
@@ -32,6 +32,8 @@ def params_from_request(req: pb.GenerateRequest) -> GenerationParams:
         stop_strings=tuple(req.stop),
         seed=req.seed,
         draft=req.draft or DEFAULTS.draft,
+        sampler=req.sampler or DEFAULTS.sampler,
+        steps=req.steps if req.HasField("steps") else DEFAULTS.steps,
     )
 
 

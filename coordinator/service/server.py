@@ -34,7 +34,8 @@ from coordinator.cluster.discovery import WorkerBrowser, shortfall
 from coordinator.cluster.heartbeat import Heartbeat
 from coordinator.cluster.layer_plan import PlanError
 from coordinator.cluster.worker_link import WorkerCallError
-from coordinator.engine.engine import Engine, Limits
+from coordinator.engine.engine import Limits
+from coordinator.engine.engine_for import check_draft_model, engine_for
 from coordinator.engine.local_layers import LocalLayers
 from coordinator.engine.pipeline import StagePipeline
 from coordinator.engine.prefix_cache import PrefixCache
@@ -122,7 +123,7 @@ class CoordinatorServer:
         host_info.wire_model_memory()  # this thread owns MLX until the engine thread starts
         ends = load_model_parts(opts.model, with_layers=False)
         self.config = ends.config
-        self.engine = Engine(
+        self.engine = engine_for(
             ends,
             _NotReady(),
             opts.max_running,
@@ -139,6 +140,7 @@ class CoordinatorServer:
         if opts.draft_model is not None:
             from coordinator.engine.draft_model import DraftModel
 
+            check_draft_model(ends)
             self.engine.use_drafter(DraftModel.load(opts.draft_model, self.config, self.tokenizer))
         self.metrics = Metrics()
         self.metrics_port = None
@@ -315,7 +317,12 @@ class CoordinatorServer:
         mode = self.opts.warm_up
         if mode == "off" or (mode == "auto" and mx.default_device() == mx.cpu):
             return  # MLX's CPU backend compiles nothing per shape: nothing to gain there
-        report = warm_up(self.engine, max_rows=self.opts.max_running)
+        if self.config.diffusion:
+            from coordinator.engine.diffusion.warmup import warm_up_diffusion
+
+            report = warm_up_diffusion(self.engine, max_rows=self.opts.max_running)
+        else:
+            report = warm_up(self.engine, max_rows=self.opts.max_running)
         self.metrics.forward_shapes.set(self.engine.shapes.count)
         log.info(
             "warmed %d shapes in %.1f s (%d forwards)",
