@@ -187,7 +187,9 @@ BAD_FIELDS = [
     ({"stop": [""]}, "stop"),
     ({"seed": "seven"}, "seed"),
     ({"extra_body": {"window": 999}}, "window"),
-    ({"extra_body": {"mode": "diffusion"}}, "mode"),
+    ({"extra_body": {"mode": "beam"}}, "mode"),
+    ({"extra_body": {"mode": "diffusion"}}, "mode"),  # a mode this (WeDLM) model lacks
+    ({"extra_body": {"sampler": "fast"}}, "sampler"),
     ({"extra_body": {"penalty": -1}}, "penalty"),
     ({"extra_body": {"threshold": 0.5, "one_by_one": True}}, "one_by_one"),
     ({"extra_body": {"stop_token_ids": [-3]}}, "stop_token_ids"),

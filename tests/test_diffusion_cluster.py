@@ -1,0 +1,124 @@
+"""A DiffusionGemma model served by a real cluster: two worker processes holding layer
+ranges, the coordinator holding none, real gRPC and the OpenAI HTTP API. Faithful mode
+through the stages equals mlx-vlm's reference sampler; turbo requests stream, run
+batched and can be cancelled."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+
+from common.generation_params import GenerationParams
+from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from tests.diffusion_checkpoints import make_diffusion_checkpoint
+from tests.reference_diffusion import reference_tokens
+from tests.test_diffusion import PROMPTS
+from wedlm_client.client import ClusterError, WedlmClient
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_diffusion_checkpoint(tmp_path_factory.mktemp("dgc") / "q4", seed=4, bits=4)
+
+
+@pytest.fixture(scope="module")
+def cluster(model):
+    name = cluster_name()
+    procs, workers = [], []
+    try:
+        for layers in ("0-1", "2-3"):
+            proc, address = start_worker(model, name, "--layers", layers, "--no-bonjour")
+            procs.append(proc)
+            workers += ["--worker", address]
+        coord, address = start_coordinator(
+            model, name, "--no-bonjour", "--no-local-layers", "--expect", "2", *workers,
+            "--http-port", "0", "--max-running", "4",
+        )  # fmt: skip
+        procs.append(coord)
+        http = coord.expect(r"HTTP API on (http://\S+/v1)").group(1)
+        coord.expect("serving")
+        yield {"address": address, "http": http, "model": model.name}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_faithful_through_two_workers_equals_reference(cluster, model):
+    results: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:  # concurrent requests: their canvases share forwards
+        params = GenerationParams(mode="diffusion", sampler="faithful", max_tokens=40, seed=i)
+        with WedlmClient(cluster["address"], timeout=120) as client:
+            results[i] = client.generate(ids=PROMPTS[i], params=params)["tokens"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, prompt in enumerate(PROMPTS):
+        assert results[i] == reference_tokens(model, prompt, 40, seed=i)
+
+
+def test_turbo_through_two_workers_equals_one_process(cluster, model):
+    """Turbo's compacted forwards (scattered positions, canvas extents) over the wire give
+    what they give in one process."""
+    from tests.test_diffusion import engine_of, run
+
+    params = [GenerationParams(max_tokens=40 + 8 * i, seed=i) for i in range(len(PROMPTS))]
+    engine = engine_of(model)
+    local = run(engine, list(zip(PROMPTS, params, strict=True)))
+    assert engine.scheduler.compacted_rows > 0
+    with WedlmClient(cluster["address"], timeout=120) as client:
+        for prompt, p, seq in zip(PROMPTS, params, local, strict=True):
+            assert client.generate(ids=prompt, params=p)["tokens"] == seq.output
+
+
+def test_turbo_streams_over_grpc_and_http(cluster):
+    with WedlmClient(cluster["address"], timeout=120) as client:
+        events = list(
+            client.generate_stream(ids=PROMPTS[0], params=GenerationParams(max_tokens=40))
+        )
+    chunks = [e for e in events if e[0] == "tokens"]
+    final = next(e for e in events if e[0] == "final")[1]
+    assert len(chunks) >= 3  # one per committed canvas
+    assert sum(len(e[1]) for e in chunks) == len(final["tokens"]) == 40
+
+    with openai.OpenAI(base_url=cluster["http"], api_key="none", max_retries=0) as api:
+        reply = api.completions.create(
+            model=cluster["model"], prompt="the cat", max_tokens=20,
+            extra_body={"sampler": "faithful", "seed": 3},
+        )  # fmt: skip
+        assert reply.usage.completion_tokens == 20
+        stream = api.completions.create(
+            model=cluster["model"], prompt="the cat", max_tokens=20, stream=True
+        )
+        text = "".join(c.choices[0].text for c in stream if c.choices)
+        assert isinstance(text, str)
+        with pytest.raises(openai.BadRequestError, match="decodes by diffusion") as err:
+            api.completions.create(
+                model=cluster["model"], prompt="x", max_tokens=4, extra_body={"mode": "wedlm"}
+            )
+        assert err.value.body["param"] == "mode"
+
+
+def test_bad_diffusion_requests_get_clear_errors(cluster):
+    with (
+        WedlmClient(cluster["address"], timeout=60) as client,
+        pytest.raises(ClusterError, match="decodes by diffusion"),
+    ):
+        client.generate(ids=[1, 2], params=GenerationParams(mode="ar"))
+
+
+def test_cancel_a_diffusion_job(cluster):
+    with WedlmClient(cluster["address"], timeout=60) as client:
+        params = GenerationParams(max_tokens=400, steps=40, sampler="faithful")
+        job_id = client.submit(None, PROMPTS[1], False, params, 0.0)
+        client.cancel_job(job_id)
+        job = client.wait_job(job_id, 30)
+        assert job.state == "cancelled" and job.committed_tokens < 400
+        # the cluster goes on serving: a request after the cancelled one completes
+        again = client.generate(ids=PROMPTS[0], params=GenerationParams(max_tokens=16))
+        assert len(again["tokens"]) == 16
