@@ -9,6 +9,8 @@ Phases (--phases):
   samplers  Single stream, one 256-token answer per request (one canvas), --repeats each,
             faithful and turbo interleaved, in one process: tok/s, denoising steps per
             canvas and milliseconds per step (medians).
+  confident The samplers phase with the temperature schedule lowered (--confident-temps):
+            confident steps, so canvases drain early and turbo's active set shrinks.
   batch     B canvases denoised together (B = --batch, turbo and faithful): aggregate tok/s
             over B requests submitted at once, medians of --repeats; ratios to B = 1.
   stages    The coordinator (first half of the layers, GPU 0) + 1 worker (second half, GPU 1)
@@ -214,6 +216,24 @@ def phase_samplers(engine, args) -> dict:
     return out
 
 
+def phase_confident(engine, args) -> dict:
+    """The samplers again with the temperature schedule lowered (--confident-temps): steps
+    commit many positions, canvases drain early, and turbo's active set shrinks."""
+    from dataclasses import replace
+
+    settings = engine.settings
+    engine.settings = engine.scheduler.settings = replace(
+        settings, temperatures=tuple(args.confident_temps)
+    )
+    try:
+        out = phase_samplers(engine, args)
+        out["temperatures"] = list(args.confident_temps)
+        out["compacted_rows"] = engine.scheduler.compacted_rows
+        return out
+    finally:
+        engine.settings = engine.scheduler.settings = settings
+
+
 def _medians(recs: list[dict]) -> dict:
     keys = ("tok_s", "steps_per_canvas", "ms_per_forward", "wall_s")
     return {k: med(r[k] for r in recs) for k in keys}
@@ -416,6 +436,9 @@ def parse_args():
     p.add_argument("--batch-samplers", nargs="+", default=["turbo", "faithful"])
     p.add_argument("--stage-batch", type=int, default=4)
     p.add_argument("--gpus", type=int, default=0)
+    p.add_argument(
+        "--confident-temps", type=float, nargs=2, default=[0.05, 0.1], metavar=("MIN", "MAX")
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--name", default="diffusion")
     p.add_argument("--replot", type=Path)
@@ -455,7 +478,12 @@ def main() -> None:
                 continue
             if engine is None:
                 engine = open_engine(model, max(args.batch))
-            fn = {"samplers": phase_samplers, "batch": phase_batch, "split": phase_split}[phase]
+            fn = {
+                "samplers": phase_samplers,
+                "confident": phase_confident,
+                "batch": phase_batch,
+                "split": phase_split,
+            }[phase]
             result[phase] = fn(engine, args)
         except Exception as e:
             traceback.print_exc()
