@@ -132,8 +132,9 @@ def make_random_checkpoint(
             elif name.endswith(".scales"):
                 fan = p.shape[-1] * 64
                 std_code = ((2**module_bits) ** 2 / 12) ** 0.5
-                gain = logit_std / SHAPE["hidden_size"] ** 0.5 if "embed_tokens" in name else 1
-                arrays[name] = mx.full(p.shape, gain / (std_code * fan**0.5), mx.bfloat16)
+                # weights of std 1/sqrt(fan); the embedding (the head) std logit_std/sqrt(H)
+                std = logit_std / SHAPE["hidden_size"] ** 0.5 if "embed" in name else fan**-0.5
+                arrays[name] = mx.full(p.shape, std / std_code, mx.bfloat16)
             elif name.endswith(".biases"):
                 scale = arrays[name[: -len("biases")] + "scales"]
                 arrays[name] = (-(2**module_bits - 1) / 2 * scale).astype(mx.bfloat16)
@@ -392,6 +393,7 @@ def plot(result: dict, path: Path) -> None:
         for i, n in enumerate(names):
             axes[0].text(i, s[n]["tok_s"], f"{s[n]['steps_per_canvas']} steps/canvas\n"
                          f"{s[n]['ms_per_forward']} ms/step", ha="center", va="bottom")  # fmt: skip
+        axes[0].set_ylim(0, 1.3 * max(s[n]["tok_s"] for n in names))
         axes[0].set_title("single stream, 256-token answers")
         axes[0].set_ylabel("tok/s")
     b = result.get("batch")
@@ -409,7 +411,7 @@ def plot(result: dict, path: Path) -> None:
     st = result.get("stages")
     if isinstance(st, dict) and "alone_tok_s" in st:
         axes[2].bar(["1 process", "2 stages"], [st["alone_tok_s"], st["two_stages_tok_s"]])
-        axes[2].set_title(f"B={st['batch']} turbo: ratio {st['ratio']}")
+        axes[2].set_title(f"B={st['batch']} turbo: 2 stages / 1 = {st['ratio']:.2f}")
         axes[2].set_ylabel("aggregate tok/s")
     fig.suptitle(f"DiffusionGemma-26B-A4B shape, {result.get('layers')} layers, 4-bit, "
                  f"{result.get('device', '')}")  # fmt: skip
@@ -462,7 +464,7 @@ def main() -> None:
         "command": " ".join(sys.argv),
     }
     t0 = time.perf_counter()
-    name = f"l{args.layers}-s{args.logit_std:g}" + (f"-v{args.vocab}" if args.vocab else "")
+    name = f"l{args.layers}-std{args.logit_std:g}" + (f"-v{args.vocab}" if args.vocab else "")
     model = make_random_checkpoint(
         args.ckpt_dir / name, args.layers, vocab=args.vocab, logit_std=args.logit_std
     )
