@@ -24,9 +24,14 @@ def _load(path: str):
 
 
 def reference_tokens(
-    path: Path, prompt: list[int], max_tokens: int, seed: int = 0, steps: int | None = None
+    path: Path,
+    prompt: list[int],
+    max_tokens: int,
+    seed: int = 0,
+    steps: int | None = None,
+    temperature: float = 0.0,
 ) -> list[int]:
-    """The tokens mlx-vlm generates at temperature 0 after `mx.random.seed(seed)`."""
+    """The tokens mlx-vlm generates after `mx.random.seed(seed)`."""
     from mlx_vlm.generate.diffusion import stream_diffusion_generate
 
     model, processor = _load(str(path))
@@ -41,7 +46,7 @@ def reference_tokens(
         None,
         max_tokens=max_tokens,
         skip_special_token_ids=[],
-        temperature=0.0,
+        temperature=temperature,
         max_denoising_steps=steps,
     )
     for r in results:

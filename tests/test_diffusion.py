@@ -87,6 +87,14 @@ def test_faithful_steps_cap_and_short_last_canvas_equal_reference(dg):
     assert len(seqs[0].output) == 21
 
 
+def test_faithful_sampling_equals_reference(dg):
+    """At temperature 1 the reference draws its proposals from mx.random's stream: a
+    request seeded with s draws the same (its own stream, in the same order)."""
+    params = faithful(9, max_tokens=24, temperature=1.0)
+    seq = run(engine_of(dg), [(PROMPTS[2], params)])[0]
+    assert seq.output == reference_tokens(dg, PROMPTS[2], 24, seed=9, temperature=1.0)
+
+
 def test_outputs_do_not_depend_on_batch_mates(dg):
     """Greedy outputs alone equal outputs beside other requests (arriving one step apart,
     so rows join and leave batches), for both samplers, turbo with compaction."""
@@ -148,6 +156,22 @@ def test_compacted_forward_of_every_position_is_the_plain_forward_bit_for_bit(dg
     out = compact.forward(canvas_spec(slots), parts.embed_canvas(subset, None))
     assert mx.array_equal(out[0, :3], plain[0, mx.array([3, 7, 8])]).item()
     assert mx.array_equal(out[1], plain[1]).item()
+
+
+def test_sampling_is_seeded_per_request(dg):
+    """Temperature > 0 (both samplers): the same seed gives the same text, alone or
+    batched; another seed another text."""
+    for sampler in ("faithful", "turbo"):
+
+        def params(seed: int, s: str = sampler) -> GenerationParams:
+            return GenerationParams(
+                mode="diffusion", sampler=s, temperature=1.0, max_tokens=24, seed=seed
+            )
+
+        alone = run(engine_of(dg), [(PROMPTS[0], params(5))])[0].output
+        batched = run(engine_of(dg), [(PROMPTS[1], params(1)), (PROMPTS[0], params(5))])
+        other = run(engine_of(dg), [(PROMPTS[0], params(6))])[0].output
+        assert batched[1].output == alone != other, sampler
 
 
 def test_auto_mode_is_diffusion_and_commits_share_forwards(dg):

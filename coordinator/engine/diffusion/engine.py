@@ -203,6 +203,7 @@ class DiffusionEngine(Engine):
                     logits,
                     [c.repairing for c in canvases],
                     [forwarded(p) for p in plans],
+                    [p.seq.params.temperature for p in plans],
                 )
             step.rows = rows
             out.append(step)

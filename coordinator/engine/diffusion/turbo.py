@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.diffusion.parts import DiffusionParts
-from coordinator.engine.diffusion.canvas import Canvas, random_tokens
+from coordinator.engine.diffusion.canvas import Canvas, next_key, random_tokens
 from coordinator.engine.diffusion.settings import DiffusionSettings
 from coordinator.engine.diffusion.step_result import StepResult, canvas_arrays, padded_device
 from coordinator.engine.diffusion.topk import hierarchical_topk
@@ -49,10 +49,13 @@ def turbo_step(
     raw_logits: mx.array,
     repair: list[bool],
     slots: list[np.ndarray],
+    temperatures: list[float] | None = None,
 ) -> StepResult:
     """`raw_logits` [n, S, V]: the head's logits before the softcap, of the canvas
     positions `slots[i]` of canvas i (all of them, or a compacted forward's live ones).
-    Rows in `repair` are drained canvases re-read once: only their argmax matters."""
+    Rows in `repair` are drained canvases re-read once: only their argmax matters. A row
+    with a temperature samples its proposals among its top K (its own random stream), as
+    the reference samples among the whole vocabulary; the argmax still commits."""
     opts = settings.turbo
     width = max(c.length for c in canvases)
     vocab = raw_logits.shape[-1]
@@ -71,8 +74,22 @@ def turbo_step(
         dtype=mx.int32,
     )
     revealed, draft = canvas_arrays(canvases, width)
+    pick, chosen_p = ids[..., 0], probs[..., 0]
+    temperatures = temperatures or [0.0] * len(canvases)
+    if any(t > 0 for t in temperatures):
+        picks = []
+        for i, (c, t, r) in enumerate(zip(canvases, temperatures, repair, strict=True)):
+            if t > 0 and not r:
+                c.key, draw = next_key(c.key)
+                picks.append(mx.random.categorical(vals[i] / t, key=draw))
+            else:
+                picks.append(mx.zeros(vals.shape[1], mx.uint32))
+        j = mx.stack(picks)[..., None]
+        pick = mx.take_along_axis(ids, j, axis=-1)[..., 0]
+        chosen_p = mx.take_along_axis(probs, j, axis=-1)[..., 0]
     argmax = _scatter(draft, at, ids[..., 0])
-    confidence = _scatter(mx.zeros(draft.shape, mx.float32), at, probs[..., 0])
+    proposal = _scatter(draft, at, pick)
+    confidence = _scatter(mx.zeros(draft.shape, mx.float32), at, chosen_p)
     previous = [
         c.conditioning
         if c.conditioning is not None
@@ -93,7 +110,7 @@ def turbo_step(
     best = mx.argmax(mx.where(unrevealed, confidence, -mx.inf), axis=-1)
     positions = mx.arange(width)[None, :]
     accept = accept | ((positions == best[:, None]) & needs_force[:, None])
-    draft = mx.where(accept, argmax, draft)
+    draft = mx.where(accept, proposal, draft)
     revealed = revealed | accept
     if opts.eos_tail_drop and stop_ids:
         is_stop = mx.zeros(draft.shape, mx.bool_)
