@@ -225,6 +225,7 @@ def test_turbo_shapes_stay_bounded_over_a_long_mixed_run(dg):
     while engine.has_work:
         engine.step()
     assert all(s.finished for s in seqs)
+    assert engine.scheduler.compacted_rows > 0  # compacted canvases among them
     limits: ShapeLimits = engine.shape_limits()
     assert all(limits.admits(key) for key in engine.shapes.seen)
     assert engine.shapes.count <= 40 < limits.bound()

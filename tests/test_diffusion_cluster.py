@@ -122,3 +122,53 @@ def test_cancel_a_diffusion_job(cluster):
         # the cluster goes on serving: a request after the cancelled one completes
         again = client.generate(ids=PROMPTS[0], params=GenerationParams(max_tokens=16))
         assert len(again["tokens"]) == 16
+
+
+def test_worker_loss_mid_canvas_changes_no_token(model):
+    """Three workers found over Bonjour; while four faithful requests denoise, a middle
+    worker is killed: the coordinator re-plans over the others, re-prefills every request's
+    committed history, and each canvas goes on from its state and random stream (its next
+    forward whole): every output still equals mlx-vlm's."""
+    import os
+    import signal
+    import time
+
+    name = cluster_name()
+    procs = [start_worker(model, name)[0] for _ in range(3)]
+    coord, address = start_coordinator(model, name, "--expect", "3")
+    procs.append(coord)
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(4)]
+    expected = [reference_tokens(model, p, 160, seed=i) for i, p in enumerate(prompts)]
+    results: dict[int, list[int]] = {}
+    progress = [0] * len(prompts)
+
+    def one(i: int) -> None:
+        params = GenerationParams(mode="diffusion", sampler="faithful", max_tokens=160, seed=i)
+        with WedlmClient(address, timeout=300) as client:
+            for event in client.generate_stream(ids=prompts[i], params=params):
+                if event[0] == "tokens":
+                    progress[i] += len(event[1])
+                else:
+                    results[i] = event[1]
+
+    try:
+        coord.expect("serving")
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while sum(progress) < 64 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        mid_way = [0 < n < len(e) for n, e in zip(progress, expected, strict=True)]
+        assert sum(mid_way) >= 2, (progress, [len(e) for e in expected])
+        os.kill(procs[1].popen.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(300)
+        for i in range(len(prompts)):
+            assert results[i]["tokens"] == expected[i]
+        with WedlmClient(address) as client:
+            status = client.cluster_status()
+        assert sum(w.health == "serving" for w in status.workers) == 2  # it re-planned
+    finally:
+        for p in procs:
+            p.stop()

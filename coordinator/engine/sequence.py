@@ -68,7 +68,8 @@ class Sequence:
         self.prefilled = 0
         self.prefix = None  # the cache is dropped with the stages' KV: all is rebuilt
         self.cached_tokens = 0
-        self.canvas = None  # a canvas starts afresh on the rebuilt KV
+        if self.canvas is not None:  # diffusion: the canvas goes on, its K/V is gone
+            self.canvas.restart()
         if not self.finished:
             self.phase = Phase.PREFILL
 

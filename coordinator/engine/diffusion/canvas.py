@@ -36,6 +36,11 @@ class Canvas:
     live: np.ndarray | None = None  # turbo: positions the next forward must compute
     final: np.ndarray | None = None  # the committed tokens, once decided
 
+    def restart(self) -> None:
+        """The stages lost this canvas's K/V (a worker was lost): its next forward is whole
+        (nothing of it can be reused), then it goes on from the same state and stream."""
+        self.live = None
+
     @property
     def step(self) -> int:
         """The reference's cur_step: N for the first forward, counting down to 1."""
