@@ -11,6 +11,8 @@ Phases (--phases):
             canvas and milliseconds per step (medians).
   confident The samplers phase with the temperature schedule lowered (--confident-temps):
             confident steps, so canvases drain early and turbo's active set shrinks.
+  ablation  Turbo with one technique switched off at a time (compaction, repair, the
+            two-stage schedule, EOS tail-drop, top-K size), B = 1 and 4, both schedules.
   batch     B canvases denoised together (B = --batch, turbo and faithful): aggregate tok/s
             over B requests submitted at once, medians of --repeats; ratios to B = 1.
   stages    The coordinator (first half of the layers, GPU 0) + 1 worker (second half, GPU 1)
@@ -233,6 +235,45 @@ def phase_confident(engine, args) -> dict:
         return out
     finally:
         engine.settings = engine.scheduler.settings = settings
+
+
+ABLATIONS = {  # turbo with one technique switched (TurboSettings fields)
+    "turbo": {},
+    "no compaction": {"compact": False},
+    "no repair": {"repair": False},
+    "one threshold 0.9": {"thresholds": (0.9, 0.9)},
+    "no EOS tail-drop": {"eos_tail_drop": False},
+    "top-K 16": {"top_k": 16, "conditioning_k": 16},
+}
+
+
+def phase_ablation(engine, args) -> dict:
+    """Turbo with each technique switched off in turn (single stream and B = 4, the
+    model's schedule and the lowered one): tok/s, forwards per canvas, ms per forward."""
+    from dataclasses import replace
+
+    base = engine.settings
+    out: dict = {}
+    for temps in (base.temperatures, tuple(args.confident_temps)):
+        key = f"t {temps[1]}->{temps[0]}"
+        out[key] = {}
+        for name, change in ABLATIONS.items():
+            settings = replace(base, temperatures=temps, turbo=replace(base.turbo, **change))
+            engine.settings = engine.scheduler.settings = settings
+            try:
+                row = {}
+                for b in (1, 4):
+                    run_requests(engine, b, "turbo", args.max_tokens, steps=3)  # compile
+                    recs = [
+                        run_requests(engine, b, "turbo", args.max_tokens, args.steps)
+                        for _ in range(args.repeats)
+                    ]
+                    row[f"B{b}"] = _medians(recs)
+            finally:
+                engine.settings = engine.scheduler.settings = base
+            log(f"ablation {key} {name}: {row}")
+            out[key][name] = row
+    return out
 
 
 def _medians(recs: list[dict]) -> dict:
@@ -483,6 +524,7 @@ def main() -> None:
             fn = {
                 "samplers": phase_samplers,
                 "confident": phase_confident,
+                "ablation": phase_ablation,
                 "batch": phase_batch,
                 "split": phase_split,
             }[phase]
