@@ -32,8 +32,10 @@ class TurboSettings:
     repeat_guard: int = 16  # stop when a token repeats this many times in a row (0: off)
     compact: bool = True  # forward only live positions; the others keep their K/V
     # the forwarded count is rounded up to one of these shares of the canvas (duplicates
-    # pad): with the whole canvas, 8 widths (16, 32, 48, 64, 96, 128, 192, 256 of 256)
-    buckets: tuple[float, ...] = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
+    # pad): with the whole canvas, 7 widths (16, 32, 48, 64, 96, 128, 256 of 256). Above
+    # half the canvas a compacted row (scattered writes, per-slot RoPE) saved less than it
+    # cost on an H100 (RESULTS.md, D5), so such a step forwards the whole canvas.
+    buckets: tuple[float, ...] = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 3 / 8, 1 / 2)
 
     def bucket_sizes(self, canvas: int) -> tuple[int, ...]:
         return tuple(sorted({max(1, round(f * canvas)) for f in self.buckets}))
