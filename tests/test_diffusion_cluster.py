@@ -34,12 +34,13 @@ def cluster(model):
             workers += ["--worker", address]
         coord, address = start_coordinator(
             model, name, "--no-bonjour", "--no-local-layers", "--expect", "2", *workers,
-            "--http-port", "0", "--max-running", "4",
+            "--http-port", "0", "--max-running", "4", "--metrics-port", "0",
         )  # fmt: skip
         procs.append(coord)
         http = coord.expect(r"HTTP API on (http://\S+/v1)").group(1)
+        metrics = coord.expect(r"metrics on (http://\S+/metrics)").group(1)
         coord.expect("serving")
-        yield {"address": address, "http": http, "model": model.name}
+        yield {"address": address, "http": http, "model": model.name, "metrics": metrics}
     finally:
         for p in procs:
             p.stop()
@@ -103,6 +104,21 @@ def test_turbo_streams_over_grpc_and_http(cluster):
                 model=cluster["model"], prompt="x", max_tokens=4, extra_body={"mode": "wedlm"}
             )
         assert err.value.body["param"] == "mode"
+
+
+def test_metrics_count_canvases(cluster):
+    import httpx
+
+    with WedlmClient(cluster["address"], timeout=60) as client:
+        client.generate(ids=PROMPTS[0], params=GenerationParams(max_tokens=32, seed=1))
+    text = httpx.get(cluster["metrics"], timeout=10).text
+    canvases = next(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("wedlm:diffusion_canvases_total")
+    )
+    assert canvases >= 2
+    assert "wedlm:diffusion_forwards_per_canvas_count" in text
 
 
 def test_bad_diffusion_requests_get_clear_errors(cluster):

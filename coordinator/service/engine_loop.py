@@ -262,6 +262,9 @@ class EngineLoop(threading.Thread):
             m.accepted_drafts.inc(seq.accepted)
             if seq.forwards:
                 m.accepted_per_forward.observe(seq.accepted / seq.forwards)
+        if seq.params.mode == "diffusion" and seq.canvases:
+            m.diffusion_canvases.inc(seq.canvases)
+            m.steps_per_canvas.observe(seq.forwards / seq.canvases)
         if len(seq.output) > 1 and seq.decode_s:
             m.tpot.observe(seq.decode_s / (len(seq.output) - 1))
         live.job.finish(state, record)

@@ -30,6 +30,15 @@ class Metrics:
         self.decode_forwards = Counter(
             "wedlm:decode_forwards", "Forwards that produced tokens, per request.", registry=r
         )
+        self.diffusion_canvases = Counter(
+            "wedlm:diffusion_canvases", "Diffusion canvases committed.", registry=r
+        )
+        self.steps_per_canvas = Histogram(
+            "wedlm:diffusion_forwards_per_canvas",
+            "Denoising forwards per committed canvas of a diffusion request.",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128),
+            registry=r,
+        )
         self.requests = Counter(
             "wedlm:request_success", "Finished requests.", ["finished_reason"], registry=r
         )
