@@ -313,7 +313,6 @@ def phase_split(engine, args) -> dict:
     from coordinator.engine.diffusion.canvas import new_canvas
     from coordinator.engine.diffusion.reference_sampler import reference_step
     from coordinator.engine.diffusion.turbo import turbo_step
-    from coordinator.engine.sequence import Sequence
 
     parts, settings = engine.parts, engine.settings
     out = {}
@@ -328,10 +327,7 @@ def phase_split(engine, args) -> dict:
         mx.eval(x)
 
         def canvases(n: int = b) -> list:
-            seq = Sequence(0, PROMPT, None)
-            return [
-                new_canvas(seq, CANVAS, 48, settings.vocab_size, mx.random.key(i)) for i in range(n)
-            ]
+            return [new_canvas(CANVAS, 48, settings.vocab_size, mx.random.key(i)) for i in range(n)]
 
         timings: dict[str, list[float]] = {"layers": [], "faithful": [], "turbo": []}
         for rep in range(args.repeats + 1):

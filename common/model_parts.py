@@ -91,6 +91,11 @@ def _quantize(parts: ModelParts, quant: dict[str, Any], weights: dict[str, mx.ar
             return False
         return infer_quant_config(path, module, weights)
 
+    quantize_parts(parts, quant, predicate)
+
+
+def quantize_parts(parts: nn.Module, quant: dict[str, Any], predicate) -> None:
+    """Quantize the modules `predicate` picks with a config.json's `quantization` defaults."""
     nn.quantize(
         parts,
         group_size=quant["group_size"],
@@ -98,6 +103,20 @@ def _quantize(parts: ModelParts, quant: dict[str, Any], weights: dict[str, mx.ar
         mode=quant.get("mode", "affine"),
         class_predicate=predicate,
     )
+
+
+def install_weights(parts: nn.Module, weights: dict[str, mx.array], path: Path) -> None:
+    """Load exactly these weights into `parts` and materialize them (float32 on a CPU)."""
+    try:
+        parts.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: weights do not match config.json: {e}") from None
+    parts.eval()
+    if mx.default_device() == mx.cpu:
+        # MLX's CPU backend emulates float16/bfloat16 arithmetic (tens of times slower);
+        # compute in float32 there. GPUs keep the checkpoint's dtype.
+        parts.set_dtype(mx.float32)
+    mx.eval(parts.parameters())
 
 
 def load_model_parts(
@@ -141,16 +160,7 @@ def load_model_parts(
     del full
     if config.quantization:
         _quantize(parts, config.quantization, weights)
-    try:
-        parts.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise CheckpointError(f"{config.path}: weights do not match config.json: {e}") from None
-    parts.eval()
-    if mx.default_device() == mx.cpu:
-        # MLX's CPU backend emulates float16/bfloat16 arithmetic (tens of times slower);
-        # compute in float32 there. GPUs keep the checkpoint's dtype.
-        parts.set_dtype(mx.float32)
-    mx.eval(parts.parameters())
+    install_weights(parts, weights, config.path)
     return parts
 
 

@@ -54,12 +54,12 @@ def diffusion_masks(
     parts: DiffusionParts, kv: KVRows, spec: RowsSpec, windows: np.ndarray
 ) -> tuple[mx.array, mx.array]:
     """(full-attention mask, sliding mask), both [B, 1, T, span] bool."""
-    if spec.offsets is None:
-        kv.begin(windows)  # sizes the KV, binds each row's RoPE offset (its fast path unused)
-    else:
-        begin_scattered(kv, spec)
+    # KVRows.begin sizes the KV and binds each row's RoPE offset; its causal fast path
+    # (no mask) does not apply: the sliding layers need one
+    full = kv.begin(windows) if spec.offsets is None else begin_scattered(kv, spec)
     starts = mx.array(spec.starts, dtype=mx.int32)
-    full = attention_mask(starts, mx.array(windows), kv.span)
+    if not isinstance(full, mx.array):
+        full = attention_mask(starts, mx.array(windows), kv.span)
     if spec.offsets is not None:
         # a canvas-only row sees the committed KV and its whole canvas, wherever its
         # forwarded slots sit in it
@@ -72,23 +72,30 @@ def diffusion_masks(
     return full, full & in_window[:, None, :, :]
 
 
-def slot_scalars(parts: DiffusionParts, spec: RowsSpec, layer: int) -> mx.array | None:
+def canvas_slots(spec: RowsSpec) -> mx.array | bool:
+    """[B, T, 1] which slots are canvas slots; False: none, True: all of them."""
+    if not spec.has_canvas:
+        return False
+    is_canvas = np.arange(spec.width)[None, :] >= spec.encoded()[:, None]
+    return True if is_canvas.all() else mx.array(is_canvas)[:, :, None]
+
+
+def slot_scalars(parts: DiffusionParts, layer: int, canvas: mx.array | bool) -> mx.array | None:
     """The layer's output scalar per slot: the encoder's for encoder slots, the decoder's
     (the layer's own) for canvas slots. None: every slot is a canvas slot."""
     enc = parts.encoder_scalars[layer].layer_scalar
-    if not spec.has_canvas:
+    if canvas is False:
         return enc
-    is_canvas = np.arange(spec.width)[None, :] >= spec.encoded()[:, None]
-    if is_canvas.all():
+    if canvas is True:
         return None
-    dec = parts.layers[layer].layer_scalar
-    return mx.where(mx.array(is_canvas)[:, :, None], dec, enc)
+    return mx.where(canvas, parts.layers[layer].layer_scalar, enc)
 
 
 def run_diffusion_layers(
     parts: DiffusionParts, hidden: mx.array, kv: KVRows, spec: RowsSpec
 ) -> mx.array:
     full, sliding = diffusion_masks(parts, kv, spec, spec.windows())
+    canvas = canvas_slots(spec)  # once per forward, not per layer
     if spec.has_canvas:  # later compacted forwards read these canvases' K/V
         kv.reserve(np.where(spec.canvas > 0, spec.starts + spec.reach(), 0))
     for i, (layer, cache) in enumerate(zip(parts.layers, kv.layers, strict=True), 1):
@@ -97,7 +104,7 @@ def run_diffusion_layers(
             sliding if parts.sliding[i - 1] else full,
             cache,
             offset=cache.offset,  # the rows' starts: never read back from the device
-            layer_scalar=slot_scalars(parts, spec, i - 1),
+            layer_scalar=slot_scalars(parts, i - 1, canvas),
         )
         if LAUNCH_EVERY and i % LAUNCH_EVERY == 0 and i < len(parts.layers):
             mx.async_eval(hidden)

@@ -19,6 +19,7 @@ from common.diffusion.mlx_vlm_modules import diffusion_gemma
 from common.errors import CheckpointError
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
+from common.model_parts import install_weights, quantize_parts
 
 _DECODER = "model.decoder."
 _ENCODER_SCALARS = "model.encoder.language_model.layers."
@@ -176,13 +177,7 @@ def _quantize(parts: DiffusionParts, quant: dict[str, Any], weights: dict[str, m
             return False
         return override(path) or True
 
-    nn.quantize(
-        parts,
-        group_size=quant["group_size"],
-        bits=quant["bits"],
-        mode=quant.get("mode", "affine"),
-        class_predicate=predicate,
-    )
+    quantize_parts(parts, quant, predicate)
 
 
 def load_diffusion_parts(
@@ -206,12 +201,5 @@ def load_diffusion_parts(
     del full
     if config.quantization:
         _quantize(parts, config.quantization, weights)
-    try:
-        parts.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: weights do not match config.json: {e}") from None
-    parts.eval()
-    if mx.default_device() == mx.cpu:
-        parts.set_dtype(mx.float32)  # as ModelParts: MLX's CPU emulates 16-bit floats
-    mx.eval(parts.parameters())
+    install_weights(parts, weights, path)
     return parts

@@ -34,7 +34,6 @@ class Canvas:
     history: list[np.ndarray] = field(default_factory=list)  # argmax canvases (stability)
     repairing: bool = False  # turbo: the next forward re-reads the drained canvas
     live: np.ndarray | None = None  # turbo: positions the next forward must compute
-    final: np.ndarray | None = None  # the committed tokens, once decided
 
     def restart(self) -> None:
         """The stages lost this canvas's K/V (a worker was lost): its next forward is whole
@@ -61,7 +60,7 @@ def random_tokens(canvas: Canvas, vocab: int) -> mx.array:
     return mx.random.randint(0, vocab, (1, canvas.length), key=draw, stream=mx.cpu)[0]
 
 
-def new_canvas(seq: Sequence, length: int, steps: int, vocab: int, key: mx.array) -> Canvas:
+def new_canvas(length: int, steps: int, vocab: int, key: mx.array) -> Canvas:
     canvas = Canvas(
         length=length,
         tokens=np.zeros(length, np.int32),

@@ -81,7 +81,7 @@ class CanvasScheduler(Scheduler):
             stream = mx.random.key(seq.params.seed)
         length = settings.canvas_for(seq.params.max_tokens - len(seq.output))
         steps = seq.params.steps or settings.steps
-        seq.canvas = new_canvas(seq, length, steps, settings.vocab_size, stream)
+        seq.canvas = new_canvas(length, steps, settings.vocab_size, stream)
 
     # ---- results -------------------------------------------------------------------
     def apply(self, plan: RowPlan, row: int, results: CanvasResults, _unused) -> list[int]:
