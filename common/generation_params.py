@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 from common.errors import InvalidRequest
 
-# "auto": the served model's own decoding (diffusion for a diffusion model, else wedlm);
-# the engine resolves it when a request arrives.
+# "auto": the served model's own decoding (diffusion for a diffusion model, wedlm for a
+# WeDLM-trained checkpoint, else ar: ModelConfig.default_mode); the engine resolves it
+# when a request arrives.
 MODES = ("auto", "wedlm", "ar", "speculative", "diffusion")
 # Diffusion mode's samplers: mlx-vlm's reference sampler exactly ("faithful"), or the
 # faster one (exact top-K, top-K self-conditioning, two-stage confidence schedule, repair

@@ -58,9 +58,19 @@ class ModelConfig:
 
     @property
     def wedlm_trained(self) -> bool:
-        """A WeDLM checkpoint, or one whose config names its mask token (an adapted model):
-        its mask slots predict their own positions, so they make useful drafts."""
-        return self.model_type == "wedlm" or self.raw.get("mask_token_id") is not None
+        """A checkpoint trained for WeDLM decoding: model_type "wedlm" (the released WeDLM
+        models), or a config with a "wedlm" training record (a model adapted with the WeDLM
+        objective, as the project's own checkpoints are). Its mask slots predict their own
+        positions, so it decodes in parallel and makes useful drafts. A mask_token_id alone
+        is no evidence: the default model names one so that WeDLM can be tried on it."""
+        return self.model_type == "wedlm" or isinstance(self.raw.get("wedlm"), dict)
+
+    @property
+    def default_mode(self) -> str:
+        """The checkpoint's own decoding, what a request in mode "auto" gets."""
+        if self.diffusion:
+            return "diffusion"
+        return "wedlm" if self.wedlm_trained else "ar"
 
     def mlx_args(self) -> dict[str, Any]:
         """The config as mlx-lm's ModelArgs expects it."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 SERVER_MODULES = ("mlx", "mlx_lm", "transformers", "zeroconf", "fastapi", "uvicorn")
@@ -14,6 +15,9 @@ def missing_server_modules() -> list[str]:
 
 def require_server_install(prog: str) -> None:
     """Exit with a clear message (not an ImportError deep in a stack) when missing."""
+    # transformers (tokenizers only here) advises installing PyTorch when imported
+    # without it: serving never needs PyTorch, so that line would only mislead.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     missing = missing_server_modules()
     if missing:
         print(

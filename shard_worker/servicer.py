@@ -18,7 +18,7 @@ import grpc
 
 from common import host_info
 from common.call_auth import MODEL_KEY, PROTOCOL_VERSION
-from common.errors import CheckpointError, WedlmError
+from common.errors import CheckpointError, WedlmError, is_out_of_memory
 from common.grpc_services import MalformedRequest
 from common.kv_format import KVFormat
 from common.layer_range import LayerRange
@@ -67,7 +67,7 @@ def _status(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(error)
     if isinstance(error, OSError):  # the layer cache's disk
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"cannot write the layer cache: {error}"
-    if isinstance(error, MemoryError):
+    if is_out_of_memory(error):  # the coordinator retries with fewer sequences
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory: {error}"
     log.error("unexpected error in a worker call", exc_info=error)
     return grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}"

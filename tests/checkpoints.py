@@ -200,10 +200,22 @@ def _write_shards(out_dir: Path, n: int) -> None:
     single.unlink()
 
 
+# The record a WeDLM-adapted checkpoint's config.json carries (ModelConfig.wedlm_trained):
+# random test weights are decoded as if WeDLM-trained unless a test asks for a plain model,
+# so that mode "auto" exercises the WeDLM paths the tests were written for.
+WEDLM_RECORD = {"note": "random test weights: decoded as a WeDLM-trained checkpoint"}
+
+
 def make_checkpoint(
-    out_dir: Path, family: str, seed: int = 0, shards: int = 1, **config_overrides: Any
+    out_dir: Path,
+    family: str,
+    seed: int = 0,
+    shards: int = 1,
+    wedlm_record: bool = True,
+    **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random float32 checkpoint of `family` (see FAMILIES) into `out_dir`."""
+    """Write a tiny random float32 checkpoint of `family` (see FAMILIES) into `out_dir`.
+    `wedlm_record=False`: a plain checkpoint (mode "auto" decodes it autoregressively)."""
     if family not in _FAMILY:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     config_cls, model_cls, arch, extra = _FAMILY[family]
@@ -238,6 +250,8 @@ def make_checkpoint(
     # config.json in the classic hub form (top-level rope_theta, num_experts), written by hand
     model_type = "wedlm" if family.startswith("wedlm") else model.config.model_type
     config = {"architectures": [arch], "model_type": model_type, **fields}
+    if wedlm_record:
+        config["wedlm"] = WEDLM_RECORD
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     gen = {
         "bos_token_id": fields["bos_token_id"],

@@ -183,6 +183,7 @@ def test_bad_draft_settings_are_refused(checkpoint_dir, engines, tmp_path):
     shutil.copytree(checkpoint_dir("llama", seed=75), plain)
     config = json.loads((plain / "config.json").read_text())
     del config["mask_token_id"]
+    del config["wedlm"]  # nor a WeDLM training record
     (plain / "config.json").write_text(json.dumps(config))
     local = open_local_engine(plain)
     prompt = [5, 6, 7]

@@ -68,7 +68,8 @@ def add_generation_flags(p: argparse.ArgumentParser, prompt_required: bool = Tru
         "--mode",
         choices=MODES,
         default="auto",
-        help="auto: the model's own (diffusion for a diffusion model, else wedlm); wedlm: "
+        help="auto: the model's own (diffusion for a diffusion model, wedlm for a "
+        "WeDLM-trained checkpoint, else ar); wedlm: "
         "parallel decoding; ar: one token per forward; speculative: drafts verified by the "
         "model (exactly AR's output, several tokens per forward when they hold); diffusion: "
         "canvases denoised over several forwards (DiffusionGemma)",
@@ -208,6 +209,8 @@ def run_generate(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         sys.stdout.write("\n")
+    if result.get("warning"):
+        print(f"wedlm: warning: {result['warning']}", file=sys.stderr)
     return 0
 
 

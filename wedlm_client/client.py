@@ -50,9 +50,14 @@ def final_dict(final: pb.Final) -> dict[str, Any]:
         "drafted_tokens": stats.drafted_tokens,
         "accepted_drafts": stats.accepted_drafts,
         "cached_tokens": stats.cached_tokens,
+        "mode": stats.mode,
     }
+    if stats.warning:
+        record["warning"] = stats.warning
     if final.error:
         record["error"] = final.error
+        if final.error_kind:
+            record["error_kind"] = final.error_kind
     return record
 
 

@@ -15,6 +15,12 @@ def format_status(status: dict[str, Any]) -> str:
         f"{status.get('running', 0)} running, {status.get('queued', 0)} queued",
         f"{'worker':24} {'layers':8} {'health':12} {'device':24} {'mem GiB':>9} {'hop ms':>7}",
     ]
+    if status.get("max_running"):
+        budget = int(status.get("kv_budget_tokens", 0))
+        why = status.get("max_running_reason") or status["max_running"]
+        lines.insert(1, f"decoding up to {why}; KV budget "
+                        f"{f'{budget:,} tokens' if budget else 'not measured'}; "
+                        f"mode auto = {status.get('default_mode', '?')}")  # fmt: skip
     if status.get("local_layers"):
         lines.insert(1, f"plan {status.get('plan_epoch', 0)}: the coordinator holds layers "
                         f"{status['local_layers']}")  # fmt: skip

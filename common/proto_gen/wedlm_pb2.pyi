@@ -308,7 +308,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[bool] = ..., mode: _Optional[str] = ..., window: _Optional[int] = ..., threshold: _Optional[float] = ..., one_by_one: _Optional[bool] = ..., penalty: _Optional[float] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., seed: _Optional[int] = ..., deadline_s: _Optional[float] = ..., draft: _Optional[str] = ..., sampler: _Optional[str] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "forwards", "tokens_per_forward", "prefill_s", "decode_s", "queue_s", "drafted_tokens", "accepted_drafts", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "forwards", "tokens_per_forward", "prefill_s", "decode_s", "queue_s", "drafted_tokens", "accepted_drafts", "cached_tokens", "mode", "warning")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORWARDS_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,8 @@ class GenerationStats(_message.Message):
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    WARNING_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     forwards: int
@@ -329,21 +331,25 @@ class GenerationStats(_message.Message):
     drafted_tokens: int
     accepted_drafts: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_per_forward: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    mode: str
+    warning: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., forwards: _Optional[int] = ..., tokens_per_forward: _Optional[float] = ..., prefill_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_drafts: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., mode: _Optional[str] = ..., warning: _Optional[str] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "tokens", "text", "stats", "error")
+    __slots__ = ("finish_reason", "tokens", "text", "stats", "error", "error_kind")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     text: str
     stats: GenerationStats
     error: str
-    def __init__(self, finish_reason: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+    error_kind: str
+    def __init__(self, finish_reason: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., error: _Optional[str] = ..., error_kind: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("tokens", "final")
@@ -418,7 +424,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., address: _Optional[str] = ..., source: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ...) -> None: ...
 
 class ClusterStatusReply(_message.Message):
-    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches", "prefix_cache")
+    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches", "prefix_cache", "max_running", "max_running_reason", "default_mode", "kv_budget_tokens")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +436,10 @@ class ClusterStatusReply(_message.Message):
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FETCHES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REASON_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     state: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -441,7 +451,11 @@ class ClusterStatusReply(_message.Message):
     plan_epoch: int
     fetches: _containers.RepeatedCompositeFieldContainer[LayerFetch]
     prefix_cache: PrefixCacheStatus
-    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ...) -> None: ...
+    max_running: int
+    max_running_reason: str
+    default_mode: str
+    kv_budget_tokens: int
+    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., max_running: _Optional[int] = ..., max_running_reason: _Optional[str] = ..., default_mode: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheStatus(_message.Message):
     __slots__ = ("enabled", "entries", "tokens", "capacity_tokens", "lookups", "hits", "hit_tokens", "evictions", "block_tokens")
@@ -486,7 +500,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoReply(_message.Message):
-    __slots__ = ("model_name", "model_type", "model_identity", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings", "mask_token_id", "eos_token_ids", "has_chat_template")
+    __slots__ = ("model_name", "model_type", "model_identity", "num_layers", "hidden_size", "vocab_size", "max_position_embeddings", "mask_token_id", "eos_token_ids", "has_chat_template", "default_mode")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     MODEL_IDENTITY_FIELD_NUMBER: _ClassVar[int]
@@ -497,6 +511,7 @@ class ModelInfoReply(_message.Message):
     MASK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     model_type: str
     model_identity: str
@@ -507,4 +522,5 @@ class ModelInfoReply(_message.Message):
     mask_token_id: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_chat_template: bool
-    def __init__(self, model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., model_identity: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    default_mode: str
+    def __init__(self, model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., model_identity: _Optional[str] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., default_mode: _Optional[str] = ...) -> None: ...

@@ -5,7 +5,9 @@ changes state. The engine owns MLX in its process: call it from one thread."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -28,6 +30,7 @@ from coordinator.engine.sequence import Phase, Sequence
 from coordinator.engine.tick_batch import TickBatch, build_batch
 
 __all__ = ["Commit", "Engine", "Limits"]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,7 +43,6 @@ class InFlight:
 
 
 class Engine:
-    default_mode = "wedlm"  # what requests in mode "auto" decode with
 
     def __init__(
         self,
@@ -77,6 +79,7 @@ class Engine:
         self.shapes = ForwardShapes()  # distinct forward shapes launched (bounded: shape_limits)
         self.undelivered: list[Commit] = []  # commits of a step that then failed
         self.drafter = None  # a DraftModel proposing speculative drafts (use_drafter)
+        self._warned: set[str] = set()  # modes whose mode_warning was logged
 
     def use_pipeline(self, pipeline: Pipeline, micro_batches: int) -> None:
         """Switch to another pipeline (e.g. once the workers are planned). Call while idle."""
@@ -109,15 +112,37 @@ class Engine:
         return self.scheduler.waiting
 
     # ---- requests -------------------------------------------------------------------
+    @property
+    def default_mode(self) -> str:
+        """What requests in mode "auto" decode with: the checkpoint's own decoding."""
+        return self.config.default_mode
+
     def resolve_mode(self, params: GenerationParams) -> GenerationParams:
         """Mode "auto" becomes this engine's own decoding."""
         return replace(params, mode=self.default_mode) if params.mode == "auto" else params
+
+    def mode_warning(self, params: GenerationParams) -> str:
+        """Why a request's (resolved) decoding may give degraded text on this checkpoint:
+        WeDLM windows or mask-slot drafts on a model that never learned mask slots."""
+        masks = params.mode == "wedlm" or params.draft == "mask"
+        if not masks or self.config.wedlm_trained:
+            return ""
+        what = "mode wedlm" if params.mode == "wedlm" else "mask-slot drafts"
+        return (
+            f"{what} on a checkpoint that is not WeDLM-trained ({self.config.model_type}, no "
+            f"'wedlm' record in config.json): its mask slots were never trained, expect "
+            f"degraded text (mode auto decodes it with {self.default_mode})"
+        )
 
     def submit(self, prompt: list[int], params: GenerationParams) -> Sequence:
         params = self.resolve_drafts(self.resolve_mode(params))
         self.validate_prompt(prompt, params)
         params = replace(params, extra_stop_ids=self.model_stop_ids)
         seq = Sequence(next(self._ids), list(prompt), params, text_tail=self.text_tail)
+        seq.warning = self.mode_warning(params)
+        if seq.warning and params.mode not in self._warned:
+            self._warned.add(params.mode)  # once per mode: a busy server would repeat it
+            log.warning("%s", seq.warning)
         self.scheduler.add(seq)
         return seq
 
@@ -420,6 +445,25 @@ class Engine:
         s.groups_count = self.micro_batches
         s.groups = [[] for _ in range(self.micro_batches)]
         s.busy.clear()
+
+    def requeue_for_memory(self) -> list[Sequence]:
+        """After a forward ran out of memory: the forwards in flight are dropped (what the
+        stages still answer is read and discarded, so the pipeline is empty, not re-planned),
+        every stage forgets the running sequences' rows and the prefix cache, MLX's free
+        buffers go back to the system, and the running sequences wait in the queue again
+        to rebuild their KV from their tokens. Returns the sequences requeued."""
+        for _ in range(len(self.in_flight)):
+            with contextlib.suppress(Exception):  # a forward that failed too: nothing kept
+                self.pipeline.collect()
+        self.in_flight.clear()
+        stale = [s.seq_id for s in self.scheduler.running]
+        stale += [i for ids in self._padding.values() for i in ids]
+        stale += self._drop_cache()
+        self._padding.clear()
+        self.pipeline.release(stale)
+        mx.synchronize()  # nothing may be recording when the buffers are freed (CUDA)
+        mx.clear_cache()
+        return self.scheduler.requeue_running()
 
     def shape_limits(self) -> ShapeLimits:
         """What bounds this engine's forward shapes (`shape_limits().bound()` counts them)."""

@@ -276,6 +276,29 @@ class Scheduler:
         if len(self.groups[big]) - len(self.groups[small]) > 1:
             self.groups[small].append(self.groups[big].pop())
 
+    def requeue_running(self) -> list[Sequence]:
+        """Every unfinished running sequence back to the front of the queue, in order, to
+        rebuild its KV from its tokens when admission lets it in again (a forward ran out
+        of memory: the budget shrank, fewer may run at once). Returns them."""
+        back = [s for s in self.running if not s.finished]
+        for seq in back:
+            seq.restart_prefill()
+            seq.phase = Phase.WAITING
+        self.waiting.extendleft(reversed(back))
+        self.running = [s for s in self.running if s.finished]  # reaped as usual
+        self.busy.clear()
+        self._held_since.clear()
+        self.groups = [[] for _ in range(self.groups_count)]
+        return back
+
+    def fail(self, seqs: list[Sequence]) -> None:
+        """Finish these (running or waiting) sequences with an error."""
+        for seq in seqs:
+            seq.finish_reason = "error"
+            seq.phase = Phase.FINISHED
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+
     def fail_all(self) -> list[Sequence]:
         failed = [s for s in self.running if not s.finished]
         for seq in failed:

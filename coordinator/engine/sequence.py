@@ -43,6 +43,7 @@ class Sequence:
     canvas: Any = None  # diffusion mode: the canvas being denoised (diffusion/canvas.py)
     canvases: int = 0  # diffusion mode: canvases committed so far
     finish_reason: str | None = None
+    warning: str = ""  # why its decoding may be degraded on this checkpoint (mode_warning)
     prefill_s: float = 0.0  # wall time from its first prefill launch to the prompt's end
     decode_s: float = 0.0  # wall time from its first decode launch to its last commit
     prefill_started: float | None = None

@@ -23,7 +23,13 @@ class ApiBackend:
     ready: Callable[[], bool]
     metrics: Metrics
     api_key: str | None = None
+    alive: Callable[[], bool] = lambda: True  # False once the engine thread has stopped
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def default_mode(self) -> str:
+        """What a request that names no mode decodes with on this model."""
+        return self.admission.engine.default_mode
 
     def key_matches(self, authorization: str | None) -> bool:
         return bearer_matches(authorization, self.api_key)

@@ -23,20 +23,35 @@ STATUS_OF_REFUSAL = {INVALID: 400, TOO_LARGE: 400, OVERLOADED: 429, UNAVAILABLE:
 
 
 class ApiError(Exception):
+    """`kind`: the error's type when it is not the status's usual one."""
+
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None):
-    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+def error_body(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    kind: str | None = None,
+):
+    kind = kind or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status)
+    body = error_body(err.status, err.message, err.param, err.code, err.kind)
+    return JSONResponse(body, err.status)
 
 
 def from_refusal(

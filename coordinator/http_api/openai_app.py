@@ -39,6 +39,7 @@ from coordinator.http_api.schemas import ChatCompletionRequest, CompletionReques
 from coordinator.http_api.stop_text import StopText, trim_at_stop
 from coordinator.service.admission import Refused
 from coordinator.service.jobs import Job
+from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 
 FINISH_REASONS = {"stop": "stop", "length": "length"}  # others: the request was aborted
 
@@ -102,6 +103,10 @@ def _usage(result: dict[str, Any]) -> dict[str, Any]:
                              "total_tokens": prompt + completion}  # fmt: skip
     # OpenAI's field for prompt tokens served from a cache
     usage["prompt_tokens_details"] = {"cached_tokens": result.get("cached_tokens", 0)}
+    if result.get("mode"):  # beyond OpenAI's fields: the decoding that ran, and its caveat
+        usage["mode"] = result["mode"]
+    if result.get("warning"):
+        usage["warning"] = result["warning"]
     drafted = result.get("drafted_tokens", 0)
     if drafted:  # speculative mode: OpenAI's fields for verified predictions
         accepted = result["accepted_drafts"]
@@ -181,7 +186,9 @@ def build_app(backend: ApiBackend) -> FastAPI:
                     continue
                 result = event[1]
                 if result.get("error"):
-                    yield _sse(error_body(500, f"generation failed: {result['error']}"))
+                    failure = _failure(result)
+                    yield _sse(error_body(failure.status, failure.message, code=failure.code,
+                                          kind=failure.kind))  # fmt: skip
                 else:
                     if tail := trimmer.finish():
                         yield reply.text_chunk(tail)
@@ -214,8 +221,9 @@ def build_app(backend: ApiBackend) -> FastAPI:
 
     @app.get("/health")
     @app.get("/health/live")
-    async def live() -> dict[str, str]:
-        return {"status": "ok"}
+    async def live() -> JSONResponse:
+        ok = backend.alive()
+        return JSONResponse({"status": "ok" if ok else "engine stopped"}, 200 if ok else 503)
 
     @app.get("/health/ready")
     async def ready() -> JSONResponse:
@@ -230,9 +238,20 @@ def build_app(backend: ApiBackend) -> FastAPI:
     return app
 
 
+def _failure(result: dict[str, Any]) -> ApiError:
+    """A failed generation: out of memory is a 503 server_error (retry later, or ask
+    for less), a stopped engine a 503 (the server cannot decode), anything else a 500."""
+    kind = result.get("error_kind", "")
+    if kind == OUT_OF_MEMORY:
+        return ApiError(503, result["error"], code="out_of_memory", kind="server_error")
+    if kind == ENGINE_STOPPED:
+        return ApiError(503, result["error"], code="engine_stopped")
+    return ApiError(500, f"generation failed: {result['error']}", code="generation_failed")
+
+
 def _whole(reply: _Reply, result: dict[str, Any], stops: tuple[str, ...]) -> JSONResponse:
     if result.get("error"):
-        raise ApiError(500, f"generation failed: {result['error']}", code="generation_failed")
+        raise _failure(result)
     reason = FINISH_REASONS.get(result["finish_reason"] or "", "abort")
     text = trim_at_stop(result["text"], stops)
     return JSONResponse(reply.whole(text, reason, _usage(result)))
@@ -240,4 +259,5 @@ def _whole(reply: _Reply, result: dict[str, Any], stops: tuple[str, ...]) -> JSO
 
 def _model_card(backend: ApiBackend) -> dict[str, Any]:
     return {"id": backend.model_name, "object": "model", "created": backend.created,
-            "owned_by": "wedlm-cluster", "max_model_len": backend.context}  # fmt: skip
+            "owned_by": "wedlm-cluster", "max_model_len": backend.context,
+            "default_mode": backend.default_mode}  # fmt: skip

@@ -44,6 +44,8 @@ class Admission:
             raise Refused(UNAVAILABLE, "the coordinator is shutting down")
         if loop is None:
             raise Refused(UNAVAILABLE, "the cluster is not ready (no workers yet)")
+        if loop.dead is not None:
+            raise Refused(UNAVAILABLE, f"the coordinator's engine stopped ({loop.dead})")
         return loop
 
     def accept(

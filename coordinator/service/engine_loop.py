@@ -4,6 +4,7 @@ Its last act is `release_mlx_thread`, and CoordinatorServer.stop joins it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -11,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from common.errors import WedlmError
+from common.errors import WedlmError, is_out_of_memory
 from common.mlx_thread_exit import release_mlx_thread
 from common.tokenizer import TextStream, Tokenizer
 from coordinator.engine.engine import Engine
@@ -19,9 +20,21 @@ from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import CacheStats
 from coordinator.engine.scheduler import QueueFull
 from coordinator.engine.sequence import Phase, Sequence
+from coordinator.service.fault_hooks import (
+    ENGINE_CRASH_FAULT,
+    OUT_OF_MEMORY_FAULT,
+    FaultFile,
+    InjectedFault,
+    fail_next_collect,
+)
 from coordinator.service.jobs import Job
 from coordinator.service.metrics import Metrics
-from coordinator.service.results import error_record, result_record
+from coordinator.service.results import (
+    ENGINE_STOPPED,
+    OUT_OF_MEMORY,
+    error_record,
+    result_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +49,9 @@ class _Live:
 
 
 MAX_FAILED_RECOVERIES = 3  # recoveries in a row whose next forward fails again
+# After a forward ran out of memory, the KV admission budget is at most this share of the
+# KV the running sequences could need: fewer run at once, and each repeat shrinks it more.
+OOM_BUDGET_SHARE = 0.75
 
 
 class EngineLoop(threading.Thread):
@@ -46,10 +62,17 @@ class EngineLoop(threading.Thread):
         metrics: Metrics | None = None,
         recover: Callable[[Exception | None], tuple[Pipeline, int] | None] | None = None,
         on_replan: Callable[[], None] | None = None,
+        measure_kv_budget: Callable[[], int | None] | None = None,
     ):
         super().__init__(name="engine", daemon=True)
         self.recover = recover  # blocks until a new pipeline is ready (or gives up)
         self.on_replan = on_replan  # runs on the new pipeline before sequences resume
+        self.measure_kv_budget = measure_kv_budget  # KV tokens the stages' free memory holds
+        self.faults = FaultFile.from_env()  # test hooks (fault_hooks.py); None normally
+        self.dead: str | None = None  # why the thread ended unexpectedly (then it serves none)
+        self._door = threading.Lock()  # a submit either reaches the inbox or sees `dead`
+        self.out_of_memory = 0  # forwards that ran out of memory
+        self._budget_shrunk = False  # by an out-of-memory forward: measured again when idle
         self.recoveries: list[float] = []  # seconds each recovery took
         self.engine = engine
         self.tokenizer = tokenizer
@@ -65,7 +88,11 @@ class EngineLoop(threading.Thread):
 
     # ---- called from gRPC threads --------------------------------------------------
     def submit(self, job: Job) -> None:
-        self.inbox.put(("submit", job))
+        with self._door:
+            if self.dead is None:
+                self.inbox.put(("submit", job))
+                return
+        job.finish("failed", error_record(len(job.prompt), self._death_message(), ENGINE_STOPPED))
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         self.inbox.put(("cancel", job, reason))
@@ -85,11 +112,39 @@ class EngineLoop(threading.Thread):
     def run(self) -> None:
         try:
             self._serve()
+        except BaseException as e:  # a bug: say so everywhere rather than hang requests
+            log.critical("the engine thread stopped: %s", e, exc_info=e)
+            self._die(e)
         finally:
             release_mlx_thread()
 
+    def _death_message(self) -> str:
+        return f"the coordinator's engine stopped ({self.dead}); it serves no requests"
+
+    def _die(self, error: BaseException) -> None:
+        """End every accepted request with an error at once, and refuse later ones (the
+        server's readiness and liveness report it: restart the coordinator)."""
+        with self._door:
+            self.dead = f"{type(error).__name__}: {error}"
+        message = self._death_message()
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            job = item[1]
+            if item[0] == "submit" and job is not None:
+                job.finish("failed", error_record(len(job.prompt), message, ENGINE_STOPPED))
+        with contextlib.suppress(Exception):  # the engine's state may be what broke
+            self.engine.fail_all()
+        for live in list(self._live.values()):
+            live.seq.finish_reason = "error"
+            self._finish(live.seq, "failed", message, ENGINE_STOPPED)
+
     def _serve(self) -> None:
         while not self._stopping.is_set():
+            if self._budget_shrunk and not self.engine.has_work:
+                self._measure_budget_again()
             self._drain(block=not self.engine.has_work)
             if self._stopping.is_set():
                 break
@@ -141,11 +196,21 @@ class EngineLoop(threading.Thread):
         self._finish(live.seq, state)
 
     def _tick(self) -> None:
+        fault = self.faults.take() if self.faults is not None else None
+        if fault == ENGINE_CRASH_FAULT:
+            raise InjectedFault("injected engine crash")
+        if fault == OUT_OF_MEMORY_FAULT:
+            error = InjectedFault("[metal::malloc] out of memory (injected)")
+            fail_next_collect(self.engine.pipeline, error)
         try:
             commits = self.engine.step()
         except Exception as e:  # a worker failed mid-forward, or this process's own layers
-            log.error("forward failed: %s", e)
             self._deliver(self.engine.take_undelivered())  # finished before the failure
+            # A broken relay chain needs a re-plan, whatever the worker's error said.
+            if is_out_of_memory(e) and getattr(self.engine.pipeline, "broken", None) is None:
+                self._out_of_memory(e)
+                return
+            log.error("forward failed: %s", e)
             self._failures += 1
             # Re-planning replaces lost workers and a broken relay chain; a failure that
             # comes back right after it (this process's own stage out of memory, say) is
@@ -163,6 +228,61 @@ class EngineLoop(threading.Thread):
         self.last_progress = time.monotonic()
         self._deliver(commits)
         self._gauges()
+
+    def _out_of_memory(self, error: Exception) -> None:
+        """Memory is a resource, not a fault: no re-plan. The running sequences wait in the
+        queue again (their tokens kept), admission's KV budget shrinks to what is free now
+        and below what failed, and a sequence that failed alone, or that no longer fits the
+        budget, fails with OUT_OF_MEMORY."""
+        engine, scheduler = self.engine, self.engine.scheduler
+        self.out_of_memory += 1
+        self.metrics.out_of_memory.inc()
+        in_use = scheduler.kv_in_use()
+        try:
+            back = engine.requeue_for_memory()
+        except Exception as e:  # the stages did not answer: mend it as any forward failure
+            log.error("could not requeue after running out of memory: %s", e)
+            if not self._recover(e):
+                self._fail_running(e)
+            return
+        limits = scheduler.limits
+        measured = self.measure_kv_budget() if self.measure_kv_budget is not None else None
+        known = [b for b in (measured, limits.kv_tokens) if b is not None]
+        before = limits.kv_tokens
+        alone = len(back) == 1  # it fails: the others need no smaller budget for its sake
+        share = [] if alone else [int(in_use * OOM_BUDGET_SHARE)]
+        limits.kv_tokens = max(1, min([*known, *share])) if known or share else None
+        self._budget_shrunk = True
+        budget = limits.kv_tokens
+        too_big = back if alone else [s for s in back if scheduler.kv_need(s) > budget]
+        scheduler.fail(too_big)
+        for seq in too_big:
+            need = scheduler.kv_need(seq)
+            self._finish(
+                seq,
+                "failed",
+                f"out of memory: this request may need {need} KV rows and its forward ran out "
+                f"of memory{' even alone' if alone else ''}; the stages' free memory now "
+                f"holds {limits.kv_tokens} (lower max_tokens, shorten the prompt, or retry "
+                f"later)",
+                OUT_OF_MEMORY,
+            )
+        log.warning(
+            "a forward ran out of memory (%s): %d requests wait to run again, %d failed; "
+            "KV admission budget %s -> %s tokens until the engine is idle",
+            error, len(back) - len(too_big), len(too_big), before, limits.kv_tokens,
+        )  # fmt: skip
+
+    def _measure_budget_again(self) -> None:
+        """Idle after running out of memory: what was short then (another process's peak,
+        a burst of long requests) may be free again, so admission goes by a new measure."""
+        self._budget_shrunk = False
+        if self.measure_kv_budget is None:
+            return
+        limits = self.engine.scheduler.limits
+        before, limits.kv_tokens = limits.kv_tokens, self.measure_kv_budget()
+        log.info("idle after running out of memory: KV admission budget %s -> %s tokens",
+                 before, limits.kv_tokens)  # fmt: skip
 
     def _fail_running(self, error: Exception) -> None:
         failed = self.engine.fail_all()
@@ -242,14 +362,14 @@ class EngineLoop(threading.Thread):
             m.prefix_cache_evictions.inc(now.evictions - seen.evictions)
             self._cache_seen = replace(now)
 
-    def _finish(self, seq: Sequence, state: str, error: str = "") -> None:
+    def _finish(self, seq: Sequence, state: str, error: str = "", error_kind: str = "") -> None:
         live = self._live.pop(seq.seq_id, None)
         if live is None:
             return
         tail = live.stream.finish()  # text the streaming detokenizer held back
         if tail:
             live.job.publish([], tail)
-        record = result_record(seq, self.tokenizer.text(seq.output), error)
+        record = result_record(seq, self.tokenizer.text(seq.output), error, error_kind)
         m = self.metrics
         m.prompt_tokens.inc(seq.prefilled)
         m.decode_forwards.inc(seq.forwards)

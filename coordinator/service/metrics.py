@@ -39,6 +39,10 @@ class Metrics:
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128),
             registry=r,
         )
+        self.out_of_memory = Counter(
+            "wedlm:out_of_memory", "Forwards that ran out of memory (requests requeued).",
+            registry=r,
+        )
         self.requests = Counter(
             "wedlm:request_success", "Finished requests.", ["finished_reason"], registry=r
         )

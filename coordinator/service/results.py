@@ -6,8 +6,15 @@ from typing import Any
 
 from coordinator.engine.sequence import Sequence
 
+OUT_OF_MEMORY = "out_of_memory"  # a forward could not get memory even with this one alone
+ENGINE_STOPPED = "engine_stopped"  # the engine thread ended: nothing more is decoded
 
-def result_record(seq: Sequence, text: str, error: str = "") -> dict[str, Any]:
+
+def result_record(
+    seq: Sequence, text: str, error: str = "", error_kind: str = ""
+) -> dict[str, Any]:
+    """`error_kind`: OUT_OF_MEMORY or ENGINE_STOPPED, which the front ends answer with
+    their own statuses (503 / RESOURCE_EXHAUSTED, 503 / UNAVAILABLE); "" for others."""
     forwards = max(seq.forwards, 1)
     record = {
         "tokens": list(seq.output),
@@ -22,15 +29,20 @@ def result_record(seq: Sequence, text: str, error: str = "") -> dict[str, Any]:
         "drafted_tokens": seq.drafted,
         "accepted_drafts": seq.accepted,
         "cached_tokens": seq.cached_tokens,
+        "mode": seq.params.mode,
     }
+    if seq.warning:
+        record["warning"] = seq.warning
     if error:
         record["error"] = error
+        if error_kind:
+            record["error_kind"] = error_kind
     return record
 
 
-def error_record(prompt_tokens: int, message: str) -> dict[str, Any]:
+def error_record(prompt_tokens: int, message: str, error_kind: str = "") -> dict[str, Any]:
     """The record of a request that ended before producing anything."""
-    return {
+    record = {
         "tokens": [],
         "text": "",
         "finish_reason": "error",
@@ -45,3 +57,6 @@ def error_record(prompt_tokens: int, message: str) -> dict[str, Any]:
         "cached_tokens": 0,
         "error": message,
     }
+    if error_kind:
+        record["error_kind"] = error_kind
+    return record

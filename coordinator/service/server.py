@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common import host_info
 from common.call_auth import ClusterAuthInterceptor
 from common.errors import WedlmError
+from common.generation_params import GenerationParams
 from common.grpc_services import MESSAGE_LIMIT, add_service, enable_reflection
 from common.kv_format import FULL, KVFormat
 from common.layer_range import LayerRange
@@ -50,6 +51,7 @@ from coordinator.service.engine_loop import EngineLoop
 from coordinator.service.job_store import JobStore
 from coordinator.service.jobs import JobRegistry
 from coordinator.service.metrics import Metrics
+from coordinator.service.running_limit import AUTO_MAX_RUNNING, auto_max_running
 from coordinator.service.servicer import CoordinatorServicer
 from coordinator.service.stage_planner import PlanSettings, StagePlanner
 
@@ -79,7 +81,7 @@ class ServeOptions:
     local_layers: bool = True  # the coordinator holds the first layers itself
     warm_up: str = "auto"  # run the first shapes once before readiness: on, off, auto (GPUs)
     layers: LayerRange | None = None  # ... exactly these (--layers; must start at 0)
-    max_running: int = 16
+    max_running: int | None = None  # None: sized to memory once planned (running_limit.py)
     max_queued: int = 256
     max_queued_tokens: int = 1 << 20
     prefill_hold: int = 4  # decode steps a new prompt may wait to share a prefill forward
@@ -126,7 +128,7 @@ class CoordinatorServer:
         self.engine = engine_for(
             ends,
             _NotReady(),
-            opts.max_running,
+            opts.max_running or AUTO_MAX_RUNNING,  # sized to memory once planned
             text_tail=self.tokenizer.decode,
             stop_ids=self.tokenizer.stop_ids,
             limits=Limits(
@@ -165,6 +167,9 @@ class CoordinatorServer:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []  # the planner's and watchers: joined at stop
         self.model_name = opts.served_model_name or opts.model.name
+        self.max_running_reason = (
+            f"{opts.max_running} (--max-running)" if opts.max_running else "not planned yet"
+        )
         # Workers' fetches carry the cluster's credentials; clients' calls the API key.
         interceptors = [
             ClusterAuthInterceptor(
@@ -214,6 +219,7 @@ class CoordinatorServer:
                 self.ready_now,
                 self.metrics,
                 opts.api_key,
+                alive=self.alive,
             )
             self.http = HttpServer(backend, opts.host, opts.http_port)
 
@@ -265,7 +271,12 @@ class CoordinatorServer:
             if self._stopping.is_set():  # stop() came during the plan: start no engine thread
                 raise WedlmError("stopped while planning")
             self.loop = EngineLoop(
-                self.engine, self.tokenizer, self.metrics, self.recover, on_replan=self._resume
+                self.engine,
+                self.tokenizer,
+                self.metrics,
+                self.recover,
+                on_replan=self._resume,
+                measure_kv_budget=self.measure_kv_budget,
             )
             self.loop.start()
             for job in self.jobs.restore():  # accepted before a restart: run them now
@@ -320,9 +331,9 @@ class CoordinatorServer:
         if self.config.diffusion:
             from coordinator.engine.diffusion.warmup import warm_up_diffusion
 
-            report = warm_up_diffusion(self.engine, max_rows=self.opts.max_running)
+            report = warm_up_diffusion(self.engine, max_rows=self.max_running)
         else:
-            report = warm_up(self.engine, max_rows=self.opts.max_running)
+            report = warm_up(self.engine, max_rows=self.max_running)
         self.metrics.forward_shapes.set(self.engine.shapes.count)
         log.info(
             "warmed %d shapes in %.1f s (%d forwards)",
@@ -330,8 +341,9 @@ class CoordinatorServer:
         )  # fmt: skip
 
     def _resume(self) -> None:
-        """After a re-plan, on the engine thread: warm the new pipeline, then serve."""
-        self.warm_up()
+        """After a re-plan, on the engine thread: serve. No warm-up here: it would hold
+        every request for its length, and a recovery that fails inside it (out of memory
+        again) must not stop the engine; new shapes compile as they come."""
         self.state = "serving"
 
     def _watch_members(self, period_s: float = 2.0) -> None:
@@ -350,9 +362,11 @@ class CoordinatorServer:
                 log.info("%s answered: re-planning to take them in", ", ".join(joined))
                 loop.request_replan(f"{', '.join(joined)} joined")
 
-    def _set_kv_budget(self, headroom: float = 0.8) -> None:
+    def measure_kv_budget(self, headroom: float = 0.8) -> int | None:
         """KV tokens the tightest stage's measured free memory holds (after its layers),
-        keeping 20% for activations and the allocator."""
+        keeping 20% for activations and the allocator. Free memory is what the system
+        says is free now (host_info.memory: on a Mac unified memory the OS and other apps
+        leave, on CUDA the device's own), so other processes' use counts."""
         budgets = [
             int(e.info.memory_available * headroom) // e.info.kv_bytes_per_token
             for e in self.entries
@@ -363,12 +377,32 @@ class CoordinatorServer:
             dtype = compute_dtype(self.config)
             per_token = kv_bytes_per_token(self.config, dtype, len(held), self.opts.kv)
             budgets.append(int(host_info.memory()[1] * headroom) // per_token)
-        self.engine.scheduler.limits.kv_tokens = min(budgets) if budgets else None
-        log.info("KV admission budget: %s tokens", self.engine.scheduler.limits.kv_tokens)
+        return min(budgets) if budgets else None
+
+    def _set_kv_budget(self) -> None:
+        """Admission's KV budget from the memory free now; without --max-running, the
+        number of sequences decoded at once follows it."""
+        limits = self.engine.scheduler.limits
+        limits.kv_tokens = self.measure_kv_budget()
+        log.info("KV admission budget: %s tokens", limits.kv_tokens)
+        if not self.opts.max_running:
+            rows = 1 if self.config.default_mode == "ar" else 2 * GenerationParams().window
+            limits.max_running, self.max_running_reason = auto_max_running(
+                limits.kv_tokens, self.opts.default_max_tokens, rows
+            )
+        log.info("decoding up to %s sequences at once", self.max_running_reason)
+
+    @property
+    def max_running(self) -> int:
+        return self.engine.scheduler.limits.max_running
+
+    def alive(self) -> bool:
+        """The process can still serve: its engine thread has not stopped on an error."""
+        return self.loop is None or self.loop.dead is None
 
     def ready_now(self, stall_s: float = 30.0) -> bool:
         loop = self.loop
-        if self.draining or self.state != "serving" or loop is None:
+        if self.draining or self.state != "serving" or loop is None or loop.dead:
             return False
         stalled = self.engine.has_work and time.monotonic() - loop.last_progress > stall_s
         return not stalled
@@ -378,6 +412,10 @@ class CoordinatorServer:
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         while not self._stopping.wait(0.5):
             self.health.set("readiness", serving if self.ready_now() else not_serving)
+            if not self.alive():  # an engine thread that died: restart the process
+                self.state = "failed"
+                self.health.set("", not_serving)
+                self.health.set("liveness", not_serving)
 
     def drain(self, timeout_s: float) -> int:
         """Stop taking work (UNAVAILABLE), let accepted jobs finish for up to timeout_s,
@@ -434,6 +472,10 @@ class CoordinatorServer:
             plan_epoch=self.planner.epoch if self.planner is not None else 0,
             fetches=self.fetches.snapshot(),
             prefix_cache=self._prefix_cache_status(),
+            max_running=self.max_running,
+            max_running_reason=self.max_running_reason,
+            default_mode=self.engine.default_mode,
+            kv_budget_tokens=self.engine.scheduler.limits.kv_tokens or 0,
         )
         for e in self.entries:
             status = reply.workers.add(
@@ -468,6 +510,8 @@ class CoordinatorServer:
         )
 
     def _waiting_for(self) -> str:
+        if self.loop is not None and self.loop.dead:
+            return f"nothing: the engine thread stopped ({self.loop.dead}); restart it"
         if self.state in ("waiting-for-workers", "planning"):
             return self.waiting
         if self.state == "recovering":

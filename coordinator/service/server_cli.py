@@ -74,7 +74,13 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
     p.add_argument("--port", type=_port, default=50051, help="port (0 = any free port)")
     p.add_argument("--cluster", default="default", help="cluster name (workers must match)")
     p.add_argument("--secret", default=os.environ.get("WEDLM_SECRET"), help="cluster secret")
-    p.add_argument("--max-running", type=_positive, default=16, help="sequences decoded at once")
+    p.add_argument(
+        "--max-running",
+        type=_positive,
+        default=None,
+        help="sequences decoded at once (default: as many typical requests as the measured "
+        "free memory holds, up to 64; the startup log and `wedlm status` say why)",
+    )
     p.add_argument(
         "--max-queued",
         type=_positive,

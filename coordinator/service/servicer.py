@@ -24,6 +24,7 @@ from coordinator.service.admission import (
 )
 from coordinator.service.jobs import Job
 from coordinator.service.request_parsing import params_from_request, prompt_from_request
+from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 
 MAX_WAIT_S = 3600.0
 
@@ -39,6 +40,8 @@ def final_message(result: dict) -> pb.Final:
         drafted_tokens=result["drafted_tokens"],
         accepted_drafts=result["accepted_drafts"],
         cached_tokens=result.get("cached_tokens", 0),  # absent in jobs kept by older versions
+        mode=result.get("mode", ""),
+        warning=result.get("warning", ""),
     )
     return pb.Final(
         finish_reason=result["finish_reason"] or "",
@@ -46,6 +49,7 @@ def final_message(result: dict) -> pb.Final:
         text=result["text"],
         stats=stats,
         error=result.get("error", ""),
+        error_kind=result.get("error_kind", ""),
     )
 
 
@@ -66,6 +70,11 @@ _STATUS = {
     TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
     OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+}
+# A stream whose job failed for one of these ends with the status, not a Final
+_FAILED_STATUS = {
+    OUT_OF_MEMORY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ENGINE_STOPPED: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -135,6 +144,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             else:
                 final = item
             if final is not None:
+                status = _FAILED_STATUS.get(final[1].get("error_kind", ""))
+                if status is not None:
+                    context.abort(status, final[1]["error"])
                 yield pb.GenerateEvent(final=final_message(final[1]))
                 return
 
@@ -180,4 +192,5 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             mask_token_id=cfg.mask_token_id,
             eos_token_ids=list(self.engine.model_stop_ids),
             has_chat_template=self.tokenizer.has_chat_template,
+            default_mode=self.engine.default_mode,
         )

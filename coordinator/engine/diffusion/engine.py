@@ -30,8 +30,6 @@ from coordinator.engine.tick_batch import TickBatch, build_batch
 
 
 class DiffusionEngine(Engine):
-    default_mode = "diffusion"
-
     def __init__(
         self,
         parts: DiffusionParts,

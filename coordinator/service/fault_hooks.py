@@ -1,0 +1,52 @@
+"""Faults a test injects into a running coordinator, to check that it survives them: off
+unless $WEDLM_FAULT_FILE names a file. A test writes one fault's name into that file; the
+engine thread takes it (and removes the file) at its next tick:
+- "out-of-memory": the next forward's result is lost to an out-of-memory error, raised
+  where a real one surfaces (the pipeline's collect), with its forwards in flight;
+- "engine-crash": the engine thread ends with an unexpected error, as a bug would end it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+FAULT_ENV = "WEDLM_FAULT_FILE"
+OUT_OF_MEMORY_FAULT = "out-of-memory"
+ENGINE_CRASH_FAULT = "engine-crash"
+
+
+class InjectedFault(RuntimeError):
+    """An error a test asked for (its message words it as the real one would be)."""
+
+
+class FaultFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def from_env(cls) -> FaultFile | None:
+        path = os.environ.get(FAULT_ENV)
+        return cls(Path(path)) if path else None
+
+    def take(self) -> str | None:
+        """The fault asked for since the last call, if any (each is taken once)."""
+        try:
+            text = self.path.read_text().strip()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        self.path.unlink(missing_ok=True)
+        return text or None
+
+
+def fail_next_collect(pipeline, error: Exception) -> None:
+    """Make the pipeline's next collect read its forward's result and then raise `error`,
+    once (the forward ran; its result is lost, as when the device runs out of memory)."""
+    inner = pipeline.collect
+
+    def failing():
+        del pipeline.collect  # back to the class's method: one failure only
+        inner()
+        raise error
+
+    pipeline.collect = failing
