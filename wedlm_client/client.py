@@ -19,14 +19,13 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from common.api_key_env import API_KEY_ENV
 from common.errors import WedlmError
 from common.generation_params import GenerationParams
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, open_channel
 from wedlm_client.request_building import request_from_params
-
-API_KEY_ENV = "WEDLM_API_KEY"
 
 
 class ClusterError(WedlmError):

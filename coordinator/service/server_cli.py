@@ -13,11 +13,11 @@ import time
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+from common.api_key_env import API_KEY_ENV
 from common.errors import WedlmError
 from common.kv_format import KV_BITS, KV_GROUP_SIZES, KVFormat
 from common.layer_range import LayerRange
 from common.server_install import require_server_install
-from wedlm_client.client import API_KEY_ENV
 
 SIGNAL_POLL_S = 0.05  # how soon SIGTERM/SIGINT starts the drain
 
