@@ -11,3 +11,7 @@ class CheckpointError(WedlmError):
 
 class InvalidRequest(WedlmError):
     """A generation request or decoding parameter is out of range."""
+
+
+class PromptTooLong(InvalidRequest):
+    """A prompt that cannot fit the model's context, refused before or while tokenizing."""

@@ -133,10 +133,8 @@ def build_app(backend: ApiBackend) -> FastAPI:
     def admit(body: GenerationFields, chat: bool, events: JobEvents) -> Job:
         """On a worker thread (one hop per request): the chat template and tokenization can
         take milliseconds, and admission may write the job to the store."""
-        if chat:
-            prompt = chat_prompt(body, backend.tokenizer)  # type: ignore[arg-type]
-        else:
-            prompt = completion_prompt(body, backend.tokenizer)  # type: ignore[arg-type]
+        encode = chat_prompt if chat else completion_prompt
+        prompt = encode(body, backend.tokenizer, backend.context)  # type: ignore[arg-type]
         params = generation_params(body, len(prompt), backend.context, backend.default_max_tokens)
         return backend.admission.accept(prompt, params, 0.0, events.put)
 
