@@ -1,4 +1,6 @@
-"""Prompts bounded before tokenizing (common/prompt_limit.py through Tokenizer.encode)."""
+"""Prompts bounded before tokenizing (common/prompt_limit.py through Tokenizer.encode), the
+body limit's reading of the headers, and the --max-request-bytes flag. The refusals as
+clients see them: test_request_limits_e2e.py."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import pytest
 from common.errors import PromptTooLong
 from common.prompt_limit import PIECE_CHARS, pieces
 from common.tokenizer import Tokenizer
+from coordinator.http_api.body_limit import _content_length
+from coordinator.service.server_cli import build_parser, serve_options
 
 TEXT = "Once upon a time there was a little robot who liked to count: one, two, three.\n"
 
@@ -69,3 +73,22 @@ def test_too_long_prompts_are_refused_without_tokenizing_them_whole(tokenizer, m
     n = len(tokenizer.encode(short))
     with pytest.raises(PromptTooLong, match=f"the prompt has {n} tokens, more than"):
         tokenizer.encode(short, limit=n - 1)
+
+
+@pytest.mark.parametrize("command", ["serve", "local"])
+def test_max_request_bytes_flag(model, command):
+    args = build_parser().parse_args([command, "--model", str(model)])
+    assert serve_options(args, model=model).max_request_bytes is None  # from the context
+    args = build_parser().parse_args(
+        [command, "--model", str(model), "--max-request-bytes", "65536"]
+    )
+    assert serve_options(args, model=model).max_request_bytes == 65536
+
+
+def test_declared_length_trusted_only_without_transfer_encoding():
+    """A body framed as chunked despite a small Content-Length is counted, not trusted."""
+    length = (b"content-length", b"12")
+    assert _content_length({"headers": [length]}) == 12
+    assert _content_length({"headers": [length, (b"transfer-encoding", b"chunked")]}) is None
+    assert _content_length({"headers": [(b"content-length", b"x")]}) is None
+    assert _content_length({"headers": []}) is None

@@ -27,6 +27,7 @@ from coordinator.http_api.api_errors import (
     on_http_error,
     on_validation_error,
 )
+from coordinator.http_api.body_limit import LimitBody
 from coordinator.http_api.job_events import JobEvents
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
@@ -117,6 +118,8 @@ def build_app(backend: ApiBackend) -> FastAPI:
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    # Added first, so it runs inside CountRequests: refused bodies are counted too.
+    app.add_middleware(LimitBody, max_bytes=backend.max_request_bytes)
     app.add_middleware(CountRequests, metrics=backend.metrics)
 
     async def authorized(authorization: str | None = Header(default=None)) -> None:
