@@ -6,6 +6,7 @@ so that the default limit is 1.5 MiB), its memory read with psutil."""
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import subprocess
@@ -211,6 +212,21 @@ def test_prompt_longer_than_any_context_refused_by_its_length(server):
         f"{CONTEXT:,} tokens can hold ({CONTEXT * longest:,} characters at {longest} per "
         "token at most)"
     )
+
+
+def test_many_messages_just_under_the_limit(server):
+    """40,000 chat messages in 1.4 MB: parsed on a worker thread (half a second of it), then
+    refused by the rendered prompt's length, before it is tokenized."""
+    many = {"model": server["model"], "messages": [{"role": "user", "content": "hi"}] * 40_000}
+    body = json.dumps(many).encode()
+    assert len(body) < LIMIT
+    before = rss(server)
+    answer = httpx.post(f"{server['http']}/chat/completions", content=body, timeout=30)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["message"].startswith("the prompt is 1,200,022 characters, more than")
+    assert rss(server) - before < 100 * MB  # the parsed messages' peak, not kept alive
+    small(server)
 
 
 def test_small_requests_keep_their_pace_meanwhile(server):

@@ -28,6 +28,7 @@ from coordinator.http_api.api_errors import (
     on_validation_error,
 )
 from coordinator.http_api.body_limit import LimitBody
+from coordinator.http_api.body_parsing import PARSING_AT_ONCE, parse_body
 from coordinator.http_api.job_events import JobEvents
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
@@ -205,12 +206,17 @@ def build_app(backend: ApiBackend) -> FastAPI:
         check_model(model)
         return _model_card(backend)
 
+    # The bodies are read after the API key is checked, and parsed off the event loop.
+    parsing = asyncio.Semaphore(PARSING_AT_ONCE)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatCompletionRequest, parsing)
         return await answer(request, body, chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest, parsing)
         return await answer(request, body, chat=False)
 
     @app.get("/health")
