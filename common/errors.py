@@ -15,6 +15,10 @@ class InvalidRequest(WedlmError):
     """A generation request or decoding parameter is out of range."""
 
 
+class PromptTooLong(InvalidRequest):
+    """A prompt that cannot fit the model's context, refused before or while tokenizing."""
+
+
 class OutOfMemory(WedlmError):
     """A forward could not get the memory it needs, even alone: the request asks for more
     than this machine (or cluster) can hold now."""

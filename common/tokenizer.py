@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common import prompt_limit
 from common.errors import CheckpointError
 
 # Instruct models end turns with these even when config.json names another EOS.
@@ -30,6 +31,10 @@ class Tokenizer:
         self.stop_ids = tuple(sorted({vocab[t] for t in _CHAT_STOP_TOKENS if t in vocab}))
         # Special tokens (EOS, chat markers) stay in token lists but not in displayed text.
         self.special_ids = frozenset(self._hf.all_special_ids)
+        # The most characters one token stands for (a byte-level vocabulary spells a token
+        # with one character per byte: still a bound), so that a text that cannot fit a
+        # context is known from its length alone.
+        self.longest_token_chars = max(map(len, vocab), default=1)
 
     def vocabulary(self) -> dict[str, int]:
         """Token string → id, special tokens included."""
@@ -39,19 +44,37 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._hf, "chat_template", None))
 
-    def encode(self, text: str, chat: bool = False) -> list[int]:
+    def encode(self, text: str, chat: bool = False, limit: int | None = None) -> list[int]:
+        """`limit`: the model's context; a text that cannot fit it raises PromptTooLong
+        without being tokenized whole."""
         if chat:
-            return self.encode_chat([{"role": "user", "content": text}])
-        return [int(i) for i in self._hf.encode(text)]
+            return self.encode_chat([{"role": "user", "content": text}], limit)
+        return self._encode(text, True, limit)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
         """A conversation through the model's chat template, ready for the assistant."""
         if not self.has_chat_template:
             raise CheckpointError("this model's tokenizer has no chat template (drop --chat)")
-        ids = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        if limit is not None:  # before rendering: the template copies every message
+            chars = sum(len(m["content"]) for m in messages)
+            prompt_limit.check_chars(chars, limit, self.longest_token_chars)
+        # What apply_chat_template(tokenize=True) does, in two steps so that the rendered
+        # text is checked before it is tokenized.
+        text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self._encode(text, False, limit)
+
+    def _encode(self, text: str, special: bool, limit: int | None) -> list[int]:
+        if limit is not None:
+            prompt_limit.check_chars(len(text), limit, self.longest_token_chars)
+            if len(text) > prompt_limit.PIECE_CHARS:
+                prompt_limit.check_count(text, limit, self._count)
+        ids = [int(i) for i in self._hf.encode(text, add_special_tokens=special)]
+        if limit is not None:
+            prompt_limit.check_tokens(len(ids), limit)
+        return ids
+
+    def _count(self, piece: str) -> int:
+        return len(self._hf.encode(piece, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
         return self._hf.decode(ids, skip_special_tokens=False)

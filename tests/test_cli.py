@@ -125,6 +125,7 @@ def test_bad_models_and_prompts(model, tmp_path):
         (["--http-port", "70000"], "--http-port: port must be in [0, 65535]"),
         (["--http-port", "web"], "--http-port: expected a port number"),
         (["--default-max-tokens", "0"], "--default-max-tokens: must be >= 1"),
+        (["--max-request-bytes", "100"], "--max-request-bytes: must be >= 4096"),
     ],
 )
 def test_coordinator_http_flags(model, args, message):

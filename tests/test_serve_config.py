@@ -49,6 +49,7 @@ def test_api_key_file(tmp_path):
         ("http_port = '8000'", "http_port (port of the OpenAI-compatible HTTP API) must be an int"),
         ("api_key_file = '/nonexistent/key'", "cannot read api_key_file"),
         ("default_max_tokens = 0", "default_max_tokens must be positive"),
+        ("max_request_bytes = 100", "max_request_bytes must be at least 4096"),
     ],
 )
 def test_bad_configs(tmp_path, text, message):

@@ -46,7 +46,22 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(format_fetch(f))
     if "prefix_cache" in status:
         lines.append(format_prefix_cache(status["prefix_cache"]))
+    if "limits" in status:
+        lines.append(format_limits(status["limits"]))
     return "\n".join(lines)
+
+
+def format_limits(limits: dict[str, Any]) -> str:
+    """`limits: requests up to 1,310,720 bytes (HTTP body, gRPC message); prompts up to 8,192
+    tokens (663,552 characters)`: the request limit, the context, and the longest text
+    tokenized at all."""
+    n = {k: int(limits.get(k, 0)) for k in (
+        "max_request_bytes", "context_tokens", "max_prompt_chars"
+    )}  # fmt: skip
+    return (
+        f"limits: requests up to {n['max_request_bytes']:,} bytes (HTTP body, gRPC message); "
+        f"prompts up to {n['context_tokens']:,} tokens ({n['max_prompt_chars']:,} characters)"
+    )
 
 
 def format_prefix_cache(cache: dict[str, Any]) -> str:

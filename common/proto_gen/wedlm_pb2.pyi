@@ -424,7 +424,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., address: _Optional[str] = ..., source: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ...) -> None: ...
 
 class ClusterStatusReply(_message.Message):
-    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches", "prefix_cache", "max_running", "max_running_reason", "default_mode", "kv_budget_tokens")
+    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches", "prefix_cache", "max_running", "max_running_reason", "default_mode", "kv_budget_tokens", "limits")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +440,7 @@ class ClusterStatusReply(_message.Message):
     MAX_RUNNING_REASON_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     state: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -455,7 +456,18 @@ class ClusterStatusReply(_message.Message):
     max_running_reason: str
     default_mode: str
     kv_budget_tokens: int
-    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., max_running: _Optional[int] = ..., max_running_reason: _Optional[str] = ..., default_mode: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ...) -> None: ...
+    limits: RequestLimits
+    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., max_running: _Optional[int] = ..., max_running_reason: _Optional[str] = ..., default_mode: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
+
+class RequestLimits(_message.Message):
+    __slots__ = ("max_request_bytes", "context_tokens", "max_prompt_chars")
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROMPT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    max_request_bytes: int
+    context_tokens: int
+    max_prompt_chars: int
+    def __init__(self, max_request_bytes: _Optional[int] = ..., context_tokens: _Optional[int] = ..., max_prompt_chars: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheStatus(_message.Message):
     __slots__ = ("enabled", "entries", "tokens", "capacity_tokens", "lookups", "hits", "hit_tokens", "evictions", "block_tokens")

@@ -1,5 +1,6 @@
 """What the HTTP API needs from the coordinator: admission into the engine, the
-tokenizer, the served model's name and limits, readiness, metrics and the API key."""
+tokenizer, the served model's name and limits (context, request bytes), readiness,
+metrics and the API key."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class ApiBackend:
     tokenizer: Tokenizer
     model_name: str
     context: int  # the model's positions
+    max_request_bytes: int  # larger bodies are refused with 413 before they are read
     default_max_tokens: int  # when a request names no limit (capped by the context left)
     ready: Callable[[], bool]
     metrics: Metrics

@@ -89,7 +89,7 @@ async def on_validation_error(_request: Request, exc: RequestValidationError) ->
         return JSONResponse(error_body(400, message.rstrip(": ")), 400)
     field = _field(tuple(first.get("loc", ())))
     if first.get("type") == "missing":
-        message = f"{field} is required"
+        message = f"{field} is required" if field else "the request body is empty"
     else:
         message = f"{field}: {first.get('msg', 'invalid value')}" if field else first.get("msg")
     return JSONResponse(error_body(400, message, field or None), 400)

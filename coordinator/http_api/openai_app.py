@@ -27,6 +27,8 @@ from coordinator.http_api.api_errors import (
     on_http_error,
     on_validation_error,
 )
+from coordinator.http_api.body_limit import LimitBody
+from coordinator.http_api.body_parsing import PARSING_AT_ONCE, parse_body
 from coordinator.http_api.job_events import JobEvents
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
@@ -122,6 +124,8 @@ def build_app(backend: ApiBackend) -> FastAPI:
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    # Added first, so it runs inside CountRequests: refused bodies are counted too.
+    app.add_middleware(LimitBody, max_bytes=backend.max_request_bytes)
     app.add_middleware(CountRequests, metrics=backend.metrics)
 
     async def authorized(authorization: str | None = Header(default=None)) -> None:
@@ -138,10 +142,8 @@ def build_app(backend: ApiBackend) -> FastAPI:
     def admit(body: GenerationFields, chat: bool, events: JobEvents) -> Job:
         """On a worker thread (one hop per request): the chat template and tokenization can
         take milliseconds, and admission may write the job to the store."""
-        if chat:
-            prompt = chat_prompt(body, backend.tokenizer)  # type: ignore[arg-type]
-        else:
-            prompt = completion_prompt(body, backend.tokenizer)  # type: ignore[arg-type]
+        encode = chat_prompt if chat else completion_prompt
+        prompt = encode(body, backend.tokenizer, backend.context)  # type: ignore[arg-type]
         params = generation_params(body, len(prompt), backend.context, backend.default_max_tokens)
         return backend.admission.accept(prompt, params, 0.0, events.put)
 
@@ -211,12 +213,17 @@ def build_app(backend: ApiBackend) -> FastAPI:
         check_model(model)
         return _model_card(backend)
 
+    # The bodies are read after the API key is checked, and parsed off the event loop.
+    parsing = asyncio.Semaphore(PARSING_AT_ONCE)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await parse_body(request, ChatCompletionRequest, parsing)
         return await answer(request, body, chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionRequest, parsing)
         return await answer(request, body, chat=False)
 
     @app.get("/health")

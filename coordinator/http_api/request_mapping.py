@@ -7,8 +7,9 @@ from __future__ import annotations
 import secrets
 from dataclasses import replace
 
-from common.errors import CheckpointError, InvalidRequest
+from common.errors import CheckpointError, InvalidRequest, PromptTooLong
 from common.generation_params import GenerationParams
+from common.prompt_limit import check_tokens
 from common.tokenizer import Tokenizer
 from coordinator.http_api.api_errors import ApiError
 from coordinator.http_api.schemas import (
@@ -41,13 +42,21 @@ def _message_text(i: int, message: ChatMessage) -> str:
     return "".join(parts)
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def _too_long(e: PromptTooLong, field: str) -> ApiError:
+    return ApiError(400, str(e), field, "context_length_exceeded")
+
+
+def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, context: int) -> list[int]:
+    """`context`: the model's positions; a prompt that cannot fit them is refused without
+    being tokenized whole."""
     messages = [
         {"role": "system" if m.role == "developer" else m.role, "content": _message_text(i, m)}
         for i, m in enumerate(body.messages)
     ]
     try:
-        return tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat(messages, context)
+    except PromptTooLong as e:
+        raise _too_long(e, "messages") from None
     except CheckpointError:
         raise ApiError(
             400,
@@ -58,18 +67,20 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
         raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from e
 
 
-def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer, context: int) -> list[int]:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise ApiError(400, f"prompt: one prompt per request, got {len(prompt)}", "prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "prompt must not be empty", "prompt")
-        return tokenizer.encode(prompt)
     if not prompt:
         raise ApiError(400, "prompt must not be empty", "prompt")
+    try:
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt, limit=context)
+        check_tokens(len(prompt), context, "token ids")
+    except PromptTooLong as e:
+        raise _too_long(e, "prompt") from None
     return [int(t) for t in prompt]
 
 
@@ -118,6 +129,15 @@ def generation_params(
             field, message = "stop_token_ids", f"stop_token_ids: {message}"
         raise ApiError(400, message, field) from None
     room = context - prompt_tokens - params.forward_rows
+    if room < 1:
+        raise ApiError(
+            400,
+            f"the prompt's {prompt_tokens:,} tokens leave no room for a completion in this "
+            f"model's context of {context:,} tokens (decoding takes {params.forward_rows} "
+            "more rows)",
+            body.prompt_field(),
+            "context_length_exceeded",
+        )
     max_tokens = body.limit()
     limit_field = body.limit_field()
     if max_tokens is not None and max_tokens > room:

@@ -68,6 +68,9 @@ class GenerationFields(_Body):
         """The field that set the completion's limit, for error messages."""
         return "max_tokens"
 
+    def prompt_field(self) -> str:
+        return "prompt"
+
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field that asks for what this server cannot do."""
         if self.n not in (None, 1):
@@ -98,6 +101,9 @@ class ChatCompletionRequest(GenerationFields):
 
     def limit_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+
+    def prompt_field(self) -> str:
+        return "messages"
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools:

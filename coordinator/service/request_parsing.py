@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from common.errors import InvalidRequest
 from common.generation_params import GenerationParams
+from common.prompt_limit import check_tokens
 from common.proto_gen import wedlm_pb2 as pb
 from common.tokenizer import Tokenizer
 
@@ -37,14 +38,17 @@ def params_from_request(req: pb.GenerateRequest) -> GenerationParams:
     )
 
 
-def prompt_from_request(req: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
+def prompt_from_request(req: pb.GenerateRequest, tokenizer: Tokenizer, context: int) -> list[int]:
+    """A prompt that cannot fit `context` (the model's positions) raises PromptTooLong
+    before it is copied or tokenized whole."""
     which = req.WhichOneof("prompt")
     if which is None:
         raise InvalidRequest("the request has no prompt (set text or token_ids)")
     if which == "token_ids":
         if req.chat:
             raise InvalidRequest("chat applies to text prompts only")
+        check_tokens(len(req.token_ids.ids), context, "token ids")
         return list(req.token_ids.ids)
     if not req.text:
         raise InvalidRequest("the prompt text is empty")
-    return tokenizer.encode(req.text, chat=req.chat)
+    return tokenizer.encode(req.text, chat=req.chat, limit=context)

@@ -9,6 +9,7 @@ from typing import Any
 
 from common.errors import WedlmError
 from common.layer_range import LayerRange
+from coordinator.service.request_limits import MIN_REQUEST_BYTES
 
 # key → (type, description) ; every key is optional
 KEYS: dict[str, tuple[type, str]] = {
@@ -44,6 +45,7 @@ KEYS: dict[str, tuple[type, str]] = {
     "prefix_cache": (bool, "reuse finished requests' KV for prompts that start the same way"),
     "prefix_cache_tokens": (int, "KV rows the prefix cache may keep"),
     "default_max_tokens": (int, "max tokens of an HTTP request that names no limit"),
+    "max_request_bytes": (int, "the largest HTTP body or gRPC client message"),
 }
 
 _ZERO_ALLOWED = ("port", "expect", "http_port", "prefill_hold")  # 0 means something
@@ -88,6 +90,8 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
                 )
         if key in ("port", "http_port") and not 0 <= value <= 65535:
             raise WedlmError(f"{path}: {key} must be in [0, 65535], got {value}")
+        if key == "max_request_bytes" and value < MIN_REQUEST_BYTES:
+            raise WedlmError(f"{path}: {key} must be at least {MIN_REQUEST_BYTES}, got {value}")
         if key in ("expect", "prefill_hold") and value < 0:
             raise WedlmError(f"{path}: {key} must be 0 or more, got {value}")
         out["wait_timeout" if key == "wait_for_workers" else key] = value

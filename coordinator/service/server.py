@@ -51,6 +51,7 @@ from coordinator.service.engine_loop import EngineLoop
 from coordinator.service.job_store import JobStore
 from coordinator.service.jobs import JobRegistry
 from coordinator.service.metrics import Metrics
+from coordinator.service.request_limits import default_max_request_bytes
 from coordinator.service.running_limit import AUTO_MAX_RUNNING, auto_max_running
 from coordinator.service.servicer import CoordinatorServicer
 from coordinator.service.stage_planner import PlanSettings, StagePlanner
@@ -102,6 +103,7 @@ class ServeOptions:
     prefix_cache: bool = True  # keep finished requests' KV for later prompts (--no-prefix-cache)
     prefix_cache_tokens: int | None = None  # its budget (None: a share of the KV budget)
     default_max_tokens: int = 2048  # HTTP requests that name no limit
+    max_request_bytes: int | None = None  # a client request's bytes (None: from the context)
 
 
 class _NotReady:
@@ -170,6 +172,13 @@ class CoordinatorServer:
         self.max_running_reason = (
             f"{opts.max_running} (--max-running)" if opts.max_running else "not planned yet"
         )
+        context = self.config.max_position_embeddings
+        self.max_request_bytes = opts.max_request_bytes or default_max_request_bytes(context)
+        log.info(
+            "request limits: %s bytes per HTTP body or gRPC request (--max-request-bytes); "
+            "prompts of %s tokens (the context), %s characters before tokenizing",
+            f"{self.max_request_bytes:,}", f"{context:,}", f"{self.max_prompt_chars:,}",
+        )  # fmt: skip
         # Workers' fetches carry the cluster's credentials; clients' calls the API key.
         interceptors = [
             ClusterAuthInterceptor(
@@ -181,8 +190,12 @@ class CoordinatorServer:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=64),
             options=[
-                ("grpc.max_send_message_length", MESSAGE_LIMIT),
-                ("grpc.max_receive_message_length", MESSAGE_LIMIT),
+                ("grpc.max_send_message_length", MESSAGE_LIMIT),  # layer files, to workers
+                # What this server receives is small: clients' requests, and workers' fetch
+                # requests and health checks (hidden states travel on the channels it
+                # dials, with their own 256 MB limit). A larger message is refused before
+                # it is read whole, with RESOURCE_EXHAUSTED naming the limit.
+                ("grpc.max_receive_message_length", self.max_request_bytes),
                 # workers' fetch channels ping every 10 s, also between calls
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
@@ -214,7 +227,8 @@ class CoordinatorServer:
                 self.admission,
                 self.tokenizer,
                 self.model_name,
-                self.config.max_position_embeddings,
+                context,
+                self.max_request_bytes,
                 opts.default_max_tokens,
                 self.ready_now,
                 self.metrics,
@@ -222,6 +236,11 @@ class CoordinatorServer:
                 alive=self.alive,
             )
             self.http = HttpServer(backend, opts.host, opts.http_port)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A longer prompt text is refused without tokenizing it."""
+        return self.config.max_position_embeddings * self.tokenizer.longest_token_chars
 
     def start(self) -> None:
         self.server.start()
@@ -476,6 +495,11 @@ class CoordinatorServer:
             max_running_reason=self.max_running_reason,
             default_mode=self.engine.default_mode,
             kv_budget_tokens=self.engine.scheduler.limits.kv_tokens or 0,
+            limits=pb.RequestLimits(
+                max_request_bytes=self.max_request_bytes,
+                context_tokens=self.config.max_position_embeddings,
+                max_prompt_chars=self.max_prompt_chars,
+            ),
         )
         for e in self.entries:
             status = reply.workers.add(

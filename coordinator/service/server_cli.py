@@ -18,6 +18,7 @@ from common.errors import WedlmError
 from common.kv_format import KV_BITS, KV_GROUP_SIZES, KVFormat
 from common.layer_range import LayerRange
 from common.server_install import require_server_install
+from coordinator.service.request_limits import BYTES_PER_TOKEN, MIN_REQUEST_BYTES
 
 SIGNAL_POLL_S = 0.05  # how soon SIGTERM/SIGINT starts the drain
 
@@ -165,6 +166,14 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         type=_positive,
         default=2048,
         help="max tokens of an HTTP request that names no limit (capped by the context)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=_number(int, MIN_REQUEST_BYTES, "a number of bytes"),
+        default=None,
+        help="the largest HTTP request body and gRPC client message; larger ones are refused "
+        "(413, RESOURCE_EXHAUSTED) before they are read (default: the model's context "
+        f"times {BYTES_PER_TOKEN} bytes, plus 1 MiB)",
     )
     p.add_argument("--kv-reserve-tokens", type=_positive, default=32768)
     p.add_argument(
@@ -325,6 +334,7 @@ def serve_options(args: argparse.Namespace, **fixed):
         prefix_cache=not args.no_prefix_cache,
         prefix_cache_tokens=args.prefix_cache_tokens,
         default_max_tokens=args.default_max_tokens,
+        max_request_bytes=args.max_request_bytes,
     )
     return ServeOptions(**{**shared, **fixed})
 

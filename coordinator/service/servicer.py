@@ -100,7 +100,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.admission.ready_loop()
             try:
                 params = params_from_request(request)
-                prompt = prompt_from_request(request, self.tokenizer)
+                positions = self.engine.config.max_position_embeddings
+                prompt = prompt_from_request(request, self.tokenizer, positions)
             except (InvalidRequest, CheckpointError) as e:
                 raise Refused(INVALID, str(e)) from None
             return self.admission.accept(prompt, params, request.deadline_s, listen)
