@@ -66,7 +66,9 @@ def complete(client, server, prompt: str, max_tokens: int = LONG):
 
 
 def inject(server, fault: str) -> None:
-    server["fault"].write_text(fault)
+    staged = server["fault"].with_suffix(".staged")
+    staged.write_text(fault)
+    staged.rename(server["fault"])  # whole or not at all, for the engine thread polling it
 
 
 def test_default_flags_decode_more_than_16_at_once(server, client):

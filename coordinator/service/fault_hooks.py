@@ -1,6 +1,7 @@
 """Faults a test injects into a running coordinator, to check that it survives them: off
-unless $WEDLM_FAULT_FILE names a file. A test writes one fault's name into that file; the
-engine thread takes it (and removes the file) at its next tick:
+unless $WEDLM_FAULT_FILE names a file. A test writes one fault's name into that file (whole:
+written beside it, then renamed); the engine thread takes it (and removes the file) at its
+next tick:
 - "out-of-memory": the next forward's result is lost to an out-of-memory error, raised
   where a real one surfaces (the pipeline's collect), with its forwards in flight;
 - "engine-crash": the engine thread ends with an unexpected error, as a bug would end it.
@@ -35,8 +36,10 @@ class FaultFile:
             text = self.path.read_text().strip()
         except (FileNotFoundError, IsADirectoryError):
             return None
+        if not text:  # being written (write it elsewhere and rename it here to avoid this)
+            return None
         self.path.unlink(missing_ok=True)
-        return text or None
+        return text
 
 
 def fail_next_collect(pipeline, error: Exception) -> None:
