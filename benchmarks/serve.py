@@ -108,6 +108,15 @@ def prepare_model(args) -> tuple[Path, str]:
     return path, f"random-qwen3-8b(layers={layers},hidden={hidden},bf16)"
 
 
+def device_name() -> str:
+    import mlx.core as mx
+
+    try:  # not every backend names its device
+        return f"{mx.default_device()} {mx.device_info().get('device_name', '')}".strip()
+    except Exception:
+        return str(mx.default_device())
+
+
 # ---- report --------------------------------------------------------------------------------
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
@@ -292,12 +301,8 @@ def main() -> None:
         model, name = prepare_model(args)
     import mlx.core as mx
 
-    try:  # not every backend names its device
-        device = f"{mx.default_device()} {mx.device_info().get('device_name', '')}".strip()
-    except Exception:
-        device = str(mx.default_device())
     result: dict = {
-        "model": name, "device": device, "mlx": mx.__version__,
+        "model": name, "device": device_name(), "mlx": mx.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M"), "workers": args.workers, "mode": args.mode,
         "max_tokens": args.max_tokens, "prompts": len(PROMPTS), "warmup_s": args.warmup,
         "per_level": f"{args.requests} requests" if args.requests else f"{args.duration} s",

@@ -17,6 +17,7 @@ import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from multiprocessing import get_context
 
 import numpy as np
@@ -46,41 +47,91 @@ def _grpc_thread(address: str, params, schedule: Schedule, recs: list[Rec], firs
             recs.append(rec)
 
 
-def _http_thread(base_url: str, model: str, params, schedule, recs: list[Rec], first, step):
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """What each request of an `openai` closed loop asks for. `extra`: extra body fields (the
+    WeDLM ones; None sends plain OpenAI requests); `tag`: when set, every prompt starts with
+    `w<tag> w<k>` (k: the request's number in the level), so that no two requests of a run,
+    nor of two runs with different tags, share a prefix (a prefix cache then reuses nothing).
+    Words of that form are in the vocabulary of benchmarks/cluster.py's random checkpoints,
+    whose word-level tokenizer maps every other word to one id."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+    extra: dict | None = None
+    tag: int | None = None
+
+    def prompt(self, k: int) -> str:
+        text = PROMPTS[k % len(PROMPTS)]
+        return text if self.tag is None else f"w{self.tag} w{k} {text}"
+
+
+def openai_thread(base_url: str, model: str, req: OpenAIRequest, schedule, recs: list[Rec],
+                  first: int, step: int) -> None:  # fmt: skip
+    """One closed loop of streaming completions through the official `openai` package. Per
+    request: a (time, 1) event per chunk with text, the final usage's completion tokens (or,
+    when no usage chunk comes, the count of chunks with text), any exception as the error,
+    and a finish reason other than stop or length as one too."""
     import openai
 
+    client = openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=600)
+    with client:
+        for k in itertools.count(first, step):
+            if (rec := schedule.next()) is None:
+                return
+            tokens, finish = None, None
+            try:
+                stream = client.completions.create(
+                    model=model,
+                    prompt=req.prompt(k),
+                    max_tokens=req.max_tokens,
+                    temperature=req.temperature,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    **({} if req.seed is None else {"seed": req.seed}),
+                    **({} if req.extra is None else {"extra_body": req.extra}),
+                )
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text:
+                        rec.events.append((now(), 1))
+                    if chunk.choices and chunk.choices[0].finish_reason:
+                        finish = chunk.choices[0].finish_reason
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+                if tokens is None and not rec.events:
+                    rec.error = "EmptyStream"  # neither text nor usage: nothing was served
+                elif finish not in (None, "stop", "length"):
+                    rec.error = f"finish_reason={finish}"  # e.g. abort: the server gave up
+            except Exception as e:  # any failure is a failed request, not a dead client
+                status = getattr(e, "status_code", None)
+                rec.error = type(e).__name__ + (f" {status}" if status else "")
+                rec.detail = str(e)[:300]
+            if rec.error is None:
+                n = len(rec.events) if tokens is None else tokens
+                if rec.events and n > len(rec.events):  # tokens that made no text of their own
+                    t, c = rec.events[-1]
+                    rec.events[-1] = (t, c + n - len(rec.events))  # so TPOT counts every token
+                rec.final = {"tokens": [0] * n}
+            else:
+                time.sleep(0.05)  # do not spin on a refusal
+            rec.end = now()
+            recs.append(rec)
+
+
+def _http_thread(base_url: str, model: str, params, schedule, recs: list[Rec], first, step):
+    """The `openai` loop with the WeDLM fields of `params` (GenerationParams)."""
     extra = {
         "mode": params.mode,
         "window": params.window,
         "threshold": params.threshold,
         "penalty": params.penalty,
     }
-    client = openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=600)
-    with client:
-        for k in itertools.count(first, step):
-            if (rec := schedule.next()) is None:
-                return
-            try:
-                stream = client.completions.create(
-                    model=model,
-                    prompt=PROMPTS[k % len(PROMPTS)],
-                    max_tokens=params.max_tokens,
-                    temperature=params.temperature,
-                    seed=params.seed,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                    extra_body=extra,
-                )
-                for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text:
-                        rec.events.append((now(), 1))
-                    if chunk.usage is not None:
-                        rec.final = {"tokens": [0] * chunk.usage.completion_tokens}
-            except openai.APIError as e:
-                rec.error = type(e).__name__
-                time.sleep(0.05)
-            rec.end = now()
-            recs.append(rec)
+    req = OpenAIRequest(params.max_tokens, params.temperature, params.seed, extra)
+    openai_thread(base_url, model, req, schedule, recs, first, step)
+
+
+THREADS = {"grpc": _grpc_thread, "http": _http_thread, "openai": openai_thread}
 
 
 def _client_part(kind, target, model, params, threads, first, step, start, duration, warmup):
@@ -90,7 +141,7 @@ def _client_part(kind, target, model, params, threads, first, step, start, durat
     time.sleep(max(start - now(), 0.0))
     schedule = Schedule(duration, 0, warmup)
     recs: list[Rec] = []
-    run = _grpc_thread if kind == "grpc" else _http_thread
+    run = THREADS[kind]
     args = (target, params) if kind == "grpc" else (target, model, params)
     pool = [
         threading.Thread(target=run, args=(*args, schedule, recs, first + i * step, step * threads))
@@ -103,7 +154,11 @@ def _client_part(kind, target, model, params, threads, first, step, start, durat
     return recs
 
 
-def level(pool, processes: int, kind: str, target: str, model: str, c: int, params, args) -> dict:
+def level(
+    pool, processes: int, kind: str, target: str, model: str, c: int, params, args, label=None
+) -> dict:
+    """C closed loops of `kind` (THREADS) spread over `processes` client processes, for
+    args.warmup + args.duration s; `label` names the side in the progress line."""
     parts = min(c, processes)
     per = [c // parts + (i < c % parts) for i in range(parts)]
     start = now() + START_DELAY_S
@@ -129,9 +184,18 @@ def level(pool, processes: int, kind: str, target: str, model: str, c: int, para
     finished = [r for r in recs if r.measured and r.error is None and r.final]
     inside = [r for r in finished if window[0] <= r.end <= window[1]]
     stats["tok_s_finished"] = round(sum(len(r.final["tokens"]) for r in inside) / args.duration, 2)
+    # Every request that ended in the window, warm-up ones too: in steady state this is the
+    # unbiased rate (the above drops the first request latency's worth of the window).
+    ended = [r for r in recs if r.error is None and r.final and window[0] <= r.end <= window[1]]
+    stats["tok_s_ended"] = round(sum(len(r.final["tokens"]) for r in ended) / args.duration, 2)
+    stats["requests_ended"] = len(ended)
     stats["errors"] = sum(1 for r in recs if r.error)
+    if failed := [r for r in recs if r.error]:
+        stats["error_sample"] = f"{failed[0].error}: {failed[0].detail or ''}".strip(": ")
     print(
-        f"  C={c} {kind}: {stats['tok_s_finished']} tok/s, TTFT p50 {stats['ttft_ms_p50']} ms",
+        f"  C={c} {label or kind}: {stats['tok_s_finished']} tok/s "
+        f"({stats['tok_s_ended']} counting warm-up requests), "
+        f"TTFT p50 {stats['ttft_ms_p50']} ms, {stats['errors']} failed",
         file=sys.stderr,
     )
     return stats

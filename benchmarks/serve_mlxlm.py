@@ -45,6 +45,7 @@ class Rec:
     end: float = 0.0
     final: dict | None = None
     error: str | None = None
+    detail: str | None = None  # the error's message
 
 
 class Schedule:
@@ -100,7 +101,7 @@ def summarize(recs: list[Rec], window: tuple[float, float] | None) -> dict:
     stats = {"requests": len(done), "tokens": tokens, "wall_s": round(t1 - t0, 3),
              "tok_s": round(tokens / (t1 - t0), 2) if t1 > t0 else None}  # fmt: skip
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
-        for q in (50, 99):
+        for q in (50, 90, 99):
             v = pct(values, q)
             stats[f"{name}_ms_p{q}"] = None if v is None else round(1000 * v, 2)
     stats["tokens_per_forward_p50"] = pct(tpf, 50)

@@ -54,8 +54,13 @@ class Proc:
 
 
 def spawn(module: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+    return spawn_command([sys.executable, "-m", module, *args], env=env)
+
+
+def spawn_command(argv: list[str], env: dict[str, str] | None = None) -> Proc:
+    """Start argv with its stdout and stderr read, line by line, into the Proc."""
     popen = subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+        argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
