@@ -239,6 +239,7 @@ def run_all(servers: dict[str, Server], skipped: dict[str, str], args, result: d
                     stats = level(pool, args.client_processes, "openai", server.url,
                                   server.model_id, c, req, args, label=name)  # fmt: skip
                     runs[name] = compact(stats)
+                    print(f"C={c} {name}: {json.dumps(runs[name])}", file=sys.stderr, flush=True)
                     if not server.alive:
                         rc = server.proc.popen.wait(5)
                         skipped[name] = f"exited ({rc}) during C={c}:\n{server.tail()}"
