@@ -84,4 +84,4 @@ def test_wedlm_status_says_the_number_and_why(server):
          "--json"], capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     assert json.loads(as_json)["default_mode"] == "ar"
-    assert any("decoding up to" in line for line in server["proc"].log)
+    assert any("sequences decoded at once: 64" in line for line in server["proc"].log)

@@ -409,7 +409,7 @@ class CoordinatorServer:
             limits.max_running, self.max_running_reason = auto_max_running(
                 limits.kv_tokens, self.opts.default_max_tokens, rows
             )
-        log.info("decoding up to %s sequences at once", self.max_running_reason)
+        log.info("sequences decoded at once: %s", self.max_running_reason)
 
     @property
     def max_running(self) -> int:
