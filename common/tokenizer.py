@@ -27,6 +27,7 @@ class Tokenizer:
         except Exception as e:  # transformers raises many types for broken files
             raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from None
         self._hf = self._wrapper._tokenizer
+        _keep_leading_space(self._wrapper)
         vocab = self._hf.get_vocab()
         self.stop_ids = tuple(sorted({vocab[t] for t in _CHAT_STOP_TOKENS if t in vocab}))
         # Special tokens (EOS, chat markers) stay in token lists but not in displayed text.
@@ -105,3 +106,26 @@ class TextStream:
     def finish(self) -> str:
         self._detok.finalize()
         return self._detok.last_segment
+
+
+
+def _keep_leading_space(wrapper) -> None:
+    """Make the streamed text equal `decode(ids)`, the whole answer's text.
+
+    mlx-lm's byte-level BPE stream drops the completion's first space (what a SentencePiece
+    decoder's Strip step does), but a byte-level decoder keeps it: `decode(ids)` of
+    " Paris." is " Paris.", so the stream must be too. SentencePiece streams already agree
+    (they trim exactly where that decoder strips), and the naive stream decodes."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    class ByteLevelStream(BPEStreamingDetokenizer):
+        def __init__(self, tokenmap: list[str]) -> None:  # mlx-lm's map, not rebuilt
+            self.tokenmap = tokenmap
+            self.reset()
+
+        def _maybe_trim_space(self, current_text: str) -> str:
+            return current_text
+
+    detok = wrapper._detokenizer
+    if type(detok) is BPEStreamingDetokenizer:
+        wrapper._detokenizer = ByteLevelStream(detok.tokenmap)

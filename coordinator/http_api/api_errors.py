@@ -8,7 +8,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from coordinator.service.admission import INVALID, OVERLOADED, TOO_LARGE, UNAVAILABLE, Refused
+from coordinator.service.admission import (
+    INVALID,
+    OVERLOADED,
+    TOO_LARGE,
+    UNAVAILABLE,
+    Overflow,
+    Refused,
+)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -54,13 +61,49 @@ def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(body, err.status)
 
 
+CONTEXT_EXCEEDED = "context_length_exceeded"
+
+
+def overflow_message(overflow: Overflow, prompt_name: str = "messages") -> str:
+    """OpenAI's words for a request that does not fit ("This model's maximum context
+    length is N tokens. However, you requested M tokens (P in the messages, C in the
+    completion)..."), which clients such as litellm recognise as a context-window error."""
+    o = overflow
+    where = (" on this cluster now (the KV rows its workers' free memory holds)"
+             if o.kv else "")  # fmt: skip
+    head = f"This model's maximum context length is {o.limit} tokens{where}. However, "
+    if o.completion is None:
+        more = f" (and decoding takes {o.rows} more positions)" if o.rows else ""
+        return (f"{head}your {prompt_name} resulted in {o.prompt} tokens{more}. Please "
+                f"reduce the length of the {prompt_name}.")  # fmt: skip
+    window = f", {o.rows} for the decoding window" if o.rows else ""
+    asked = o.prompt + o.completion + o.rows
+    return (f"{head}you requested {asked} tokens ({o.prompt} in the {prompt_name}, "
+            f"{o.completion} in the completion{window}). Please reduce the length of the "
+            f"{prompt_name} or completion.")  # fmt: skip
+
+
+def prompt_too_long_message(detail: str, limit: int, prompt_name: str = "messages") -> str:
+    """A prompt refused before it was tokenized whole: its size is known only roughly."""
+    return (f"This model's maximum context length is {limit} tokens. However, {detail}. "
+            f"Please reduce the length of the {prompt_name}.")  # fmt: skip
+
+
 def from_refusal(
-    refusal: Refused, param: str | None = None, fields: tuple[str, ...] = ()
+    refusal: Refused,
+    param: str | None = None,
+    fields: tuple[str, ...] = (),
+    prompt_name: str = "messages",
 ) -> ApiError:
     """`param`: the field a TOO_LARGE refusal names; an invalid request whose message
-    starts with one of `fields` names that one (e.g. a mode this model does not decode)."""
+    starts with one of `fields` names that one (e.g. a mode this model does not decode).
+    `prompt_name`: the request's prompt field, named by a prompt that does not fit."""
     status = STATUS_OF_REFUSAL[refusal.kind]
-    code = {TOO_LARGE: "context_length_exceeded", OVERLOADED: "overloaded"}.get(refusal.kind)
+    if (overflow := refusal.overflow) is not None:
+        field = prompt_name if overflow.completion is None else param
+        message = overflow_message(overflow, prompt_name)
+        return ApiError(400, message, field, CONTEXT_EXCEEDED)
+    code = {TOO_LARGE: CONTEXT_EXCEEDED, OVERLOADED: "overloaded"}.get(refusal.kind)
     message = str(refusal)
     if refusal.kind == INVALID:
         param = next((f for f in fields if message.startswith(f + " ")), None)

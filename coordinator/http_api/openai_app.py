@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
@@ -124,8 +125,18 @@ def build_app(backend: ApiBackend) -> FastAPI:
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
-    # Added first, so it runs inside CountRequests: refused bodies are counted too.
+    # The last added runs first: CountRequests sees everything (refused bodies and
+    # preflights too), CORS answers preflights and adds its headers to every answer, the
+    # body limit's 413 included, so that a browser can read it.
     app.add_middleware(LimitBody, max_bytes=backend.max_request_bytes)
+    if backend.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(backend.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["*"],
+        )
     app.add_middleware(CountRequests, metrics=backend.metrics)
 
     async def authorized(authorization: str | None = Header(default=None)) -> None:
@@ -153,7 +164,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
         try:
             job = await run_in_threadpool(admit, body, chat, events)
         except Refused as e:
-            raise from_refusal(e, body.limit_field(), PARAM_FIELDS) from None
+            raise from_refusal(e, body.limit_field(), PARAM_FIELDS, body.prompt_field()) from None
         return job, events
 
     async def answer(request: Request, body: GenerationFields, chat: bool):

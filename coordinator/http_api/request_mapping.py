@@ -11,13 +11,19 @@ from common.errors import CheckpointError, InvalidRequest, PromptTooLong
 from common.generation_params import GenerationParams
 from common.prompt_limit import check_tokens
 from common.tokenizer import Tokenizer
-from coordinator.http_api.api_errors import ApiError
+from coordinator.http_api.api_errors import (
+    CONTEXT_EXCEEDED,
+    ApiError,
+    overflow_message,
+    prompt_too_long_message,
+)
 from coordinator.http_api.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     GenerationFields,
 )
+from coordinator.service.admission import Overflow
 
 DEFAULTS = GenerationParams()
 MAX_STOP_STRINGS = 16
@@ -42,8 +48,8 @@ def _message_text(i: int, message: ChatMessage) -> str:
     return "".join(parts)
 
 
-def _too_long(e: PromptTooLong, field: str) -> ApiError:
-    return ApiError(400, str(e), field, "context_length_exceeded")
+def _too_long(e: PromptTooLong, field: str, context: int) -> ApiError:
+    return ApiError(400, prompt_too_long_message(str(e), context, field), field, CONTEXT_EXCEEDED)
 
 
 def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, context: int) -> list[int]:
@@ -56,7 +62,7 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, context: int)
     try:
         return tokenizer.encode_chat(messages, context)
     except PromptTooLong as e:
-        raise _too_long(e, "messages") from None
+        raise _too_long(e, "messages", context) from None
     except CheckpointError:
         raise ApiError(
             400,
@@ -80,7 +86,7 @@ def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer, context: in
             return tokenizer.encode(prompt, limit=context)
         check_tokens(len(prompt), context, "token ids")
     except PromptTooLong as e:
-        raise _too_long(e, "prompt") from None
+        raise _too_long(e, "prompt", context) from None
     return [int(t) for t in prompt]
 
 
@@ -129,25 +135,12 @@ def generation_params(
             field, message = "stop_token_ids", f"stop_token_ids: {message}"
         raise ApiError(400, message, field) from None
     room = context - prompt_tokens - params.forward_rows
-    if room < 1:
-        raise ApiError(
-            400,
-            f"the prompt's {prompt_tokens:,} tokens leave no room for a completion in this "
-            f"model's context of {context:,} tokens (decoding takes {params.forward_rows} "
-            "more rows)",
-            body.prompt_field(),
-            "context_length_exceeded",
-        )
     max_tokens = body.limit()
-    limit_field = body.limit_field()
-    if max_tokens is not None and max_tokens > room:
-        raise ApiError(
-            400,
-            f"{limit_field} is {max_tokens}, but the prompt's {prompt_tokens} tokens leave "
-            f"room for {max(room, 0)} in this model's context of {context}",
-            limit_field,
-            "context_length_exceeded",
-        )
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        overflow = Overflow(context, prompt_tokens, max_tokens, params.forward_rows)
+        field = body.prompt_field() if max_tokens is None else body.limit_field()
+        message = overflow_message(overflow, body.prompt_field())
+        raise ApiError(400, message, field, CONTEXT_EXCEEDED)
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, room))
     return replace(params, max_tokens=max_tokens)
