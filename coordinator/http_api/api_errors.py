@@ -64,7 +64,9 @@ def error_response(err: ApiError) -> JSONResponse:
 CONTEXT_EXCEEDED = "context_length_exceeded"
 
 
-def overflow_message(overflow: Overflow, prompt_name: str = "messages") -> str:
+def overflow_message(
+    overflow: Overflow, prompt_name: str = "messages", limit_field: str | None = None
+) -> str:
     """OpenAI's words for a request that does not fit ("This model's maximum context
     length is N tokens. However, you requested M tokens (P in the messages, C in the
     completion)..."), which clients such as litellm recognise as a context-window error."""
@@ -78,9 +80,10 @@ def overflow_message(overflow: Overflow, prompt_name: str = "messages") -> str:
                 f"reduce the length of the {prompt_name}.")  # fmt: skip
     window = f", {o.rows} for the decoding window" if o.rows else ""
     asked = o.prompt + o.completion + o.rows
+    field = f" ({limit_field})" if limit_field else ""
     return (f"{head}you requested {asked} tokens ({o.prompt} in the {prompt_name}, "
             f"{o.completion} in the completion{window}). Please reduce the length of the "
-            f"{prompt_name} or completion.")  # fmt: skip
+            f"{prompt_name} or completion{field}.")  # fmt: skip
 
 
 def prompt_too_long_message(detail: str, limit: int, prompt_name: str = "messages") -> str:
@@ -101,7 +104,7 @@ def from_refusal(
     status = STATUS_OF_REFUSAL[refusal.kind]
     if (overflow := refusal.overflow) is not None:
         field = prompt_name if overflow.completion is None else param
-        message = overflow_message(overflow, prompt_name)
+        message = overflow_message(overflow, prompt_name, param)
         return ApiError(400, message, field, CONTEXT_EXCEEDED)
     code = {TOO_LARGE: CONTEXT_EXCEEDED, OVERLOADED: "overloaded"}.get(refusal.kind)
     message = str(refusal)

@@ -8,7 +8,6 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -16,7 +15,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.http_api.api_backend import ApiBackend
@@ -30,21 +28,18 @@ from coordinator.http_api.api_errors import (
 )
 from coordinator.http_api.body_limit import LimitBody
 from coordinator.http_api.body_parsing import PARSING_AT_ONCE, parse_body
-from coordinator.http_api.job_events import JobEvents
+from coordinator.http_api.generation import Generation, failure, finish_reason
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
     chat_prompt,
+    chat_tools,
     completion_prompt,
     generation_params,
 )
 from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
-from coordinator.http_api.stop_text import StopText, trim_at_stop
+from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from coordinator.service.admission import Refused
-from coordinator.service.jobs import Job
-from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
-
-FINISH_REASONS = {"stop": "stop", "length": "length"}  # others: the request was aborted
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -59,6 +54,7 @@ class _Reply:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
+        self.call_index = 0  # of the next streamed tool call
         # A text chunk is this prefix, the JSON string, this suffix: built once per
         # request, since a stream sends one per commit.
         head = _sse(self._envelope("chat.completion.chunk" if chat else "text_completion", []))
@@ -91,9 +87,24 @@ class _Reply:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return _sse(self._envelope(obj, [], usage=usage))
 
-    def whole(self, text: str, finish: str, usage: dict[str, int]) -> dict[str, Any]:
+    def calls_chunk(self, calls: list[dict[str, Any]]) -> str:
+        """Tool calls, each whole in one delta (sent once its end marker arrived)."""
+        deltas = []
+        for call in calls:
+            deltas.append({"index": self.call_index, **call})
+            self.call_index += 1
+        choice = {"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None,
+                  "logprobs": None}  # fmt: skip
+        return _sse(self._envelope("chat.completion.chunk", [choice]))
+
+    def whole(
+        self, text: str, finish: str, usage: dict[str, int], calls: list | None = None
+    ) -> dict[str, Any]:
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["content"] = text or None
+                message["tool_calls"] = calls
             choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
             return self._envelope("chat.completion", [choice], usage=usage)
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
@@ -150,70 +161,81 @@ def build_app(backend: ApiBackend) -> FastAPI:
             raise ApiError(404, f"The model {name!r} does not exist: this server serves "
                            f"{backend.model_name!r}", "model", "model_not_found")  # fmt: skip
 
-    def admit(body: GenerationFields, chat: bool, events: JobEvents) -> Job:
-        """On a worker thread (one hop per request): the chat template and tokenization can
-        take milliseconds, and admission may write the job to the store."""
-        encode = chat_prompt if chat else completion_prompt
-        prompt = encode(body, backend.tokenizer, backend.context)  # type: ignore[arg-type]
-        params = generation_params(body, len(prompt), backend.context, backend.default_max_tokens)
-        return backend.admission.accept(prompt, params, 0.0, events.put)
-
-    async def start(body: GenerationFields, chat: bool) -> tuple[Job, JobEvents]:
+    async def start(request: Request, body: GenerationFields, chat: bool) -> Generation:
         check_model(body.model)
-        events = JobEvents(asyncio.get_running_loop())
+
+        def encode():
+            prompt = (chat_prompt if chat else completion_prompt)(
+                body, backend.tokenizer, backend.context  # type: ignore[arg-type]
+            )
+            params = generation_params(
+                body, len(prompt), backend.context, backend.default_max_tokens
+            )
+            return prompt, params
+
         try:
-            job = await run_in_threadpool(admit, body, chat, events)
+            return await Generation.start(backend, request, encode)
         except Refused as e:
             raise from_refusal(e, body.limit_field(), PARAM_FIELDS, body.prompt_field()) from None
-        return job, events
 
     async def answer(request: Request, body: GenerationFields, chat: bool):
-        job, events = await start(body, chat)
+        gen = await start(request, body, chat)
         reply = _Reply(chat, backend.model_name)
-        stops = job.params.stop_strings
+        tools = None
+        if chat and body.tools_in_use():  # type: ignore[attr-defined]
+            tools = (backend.tokenizer.tool_calling, chat_tools(body))  # type: ignore[arg-type]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _stream(request, job, events, reply, stops, include_usage),
+                _stream(gen, reply, include_usage, tools),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        try:
-            while (event := await events.next(request)) is not None:
-                if event[0] == "final":
-                    return _whole(reply, event[1], stops)
+        result = await gen.result()
+        if result is None:
             return JSONResponse(error_body(499, "the client disconnected"), 499)
-        finally:
-            if not job.finished:  # the client went away (or the server stops): free its KV
-                backend.admission.cancel(job)
+        if result.get("error"):
+            raise failure(result)
+        text, calls = result["text"], []
+        if tools is not None:
+            text, calls = split_tool_calls(tools[0], text, tools[1])
+        reason = finish_reason(result)
+        if calls and reason == "stop":
+            reason = "tool_calls"
+        return JSONResponse(reply.whole(text, reason, _usage(result), calls))
 
-    async def _stream(request, job, events, reply, stops, include_usage) -> AsyncIterator[str]:
-        trimmer = StopText(stops)
-        try:
-            if reply.chat:
-                yield reply.chunk(None, role=True)
-            while (event := await events.next(request)) is not None:
-                if event[0] == "tokens":
-                    if text := trimmer.add(event[2]):
-                        yield reply.text_chunk(text)
-                    continue
-                result = event[1]
-                if result.get("error"):
-                    failure = _failure(result)
-                    yield _sse(error_body(failure.status, failure.message, code=failure.code,
-                                          kind=failure.kind))  # fmt: skip
+    async def _stream(gen: Generation, reply: _Reply, include_usage: bool, tools):
+        calls = ToolCallStream(*tools) if tools is not None else None
+
+        def chunks(pieces):  # text, or the calls of one completed tool call
+            for p in pieces:
+                yield reply.text_chunk(p) if isinstance(p, str) else reply.calls_chunk(p)
+
+        if reply.chat:
+            yield reply.chunk(None, role=True)
+        async for piece in gen.pieces():
+            if isinstance(piece, str):
+                if calls is None:
+                    yield reply.text_chunk(piece)
                 else:
-                    if tail := trimmer.finish():
-                        yield reply.text_chunk(tail)
-                    reason = FINISH_REASONS.get(result["finish_reason"] or "", "abort")
-                    yield reply.chunk(None, finish=reason)
-                    if include_usage:
-                        yield reply.usage_chunk(_usage(result))
-                yield "data: [DONE]\n\n"
-                return
-        finally:
-            if not job.finished:  # disconnected mid-stream: cancel, so its KV is freed
-                backend.admission.cancel(job)
+                    for chunk in chunks(calls.add(piece)):
+                        yield chunk
+                continue
+            result = piece
+            if result.get("error"):
+                fail = failure(result)
+                yield _sse(error_body(fail.status, fail.message, code=fail.code, kind=fail.kind))
+            else:
+                reason = finish_reason(result)
+                if calls is not None:
+                    for chunk in chunks(calls.finish()):
+                        yield chunk
+                    if calls.calls and reason == "stop":
+                        reason = "tool_calls"
+                yield reply.chunk(None, finish=reason)
+                if include_usage:
+                    yield reply.usage_chunk(_usage(result))
+            yield "data: [DONE]\n\n"
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
@@ -254,25 +276,6 @@ def build_app(backend: ApiBackend) -> FastAPI:
         return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _failure(result: dict[str, Any]) -> ApiError:
-    """A failed generation: out of memory is a 503 server_error (retry later, or ask
-    for less), a stopped engine a 503 (the server cannot decode), anything else a 500."""
-    kind = result.get("error_kind", "")
-    if kind == OUT_OF_MEMORY:
-        return ApiError(503, result["error"], code="out_of_memory", kind="server_error")
-    if kind == ENGINE_STOPPED:
-        return ApiError(503, result["error"], code="engine_stopped")
-    return ApiError(500, f"generation failed: {result['error']}", code="generation_failed")
-
-
-def _whole(reply: _Reply, result: dict[str, Any], stops: tuple[str, ...]) -> JSONResponse:
-    if result.get("error"):
-        raise _failure(result)
-    reason = FINISH_REASONS.get(result["finish_reason"] or "", "abort")
-    text = trim_at_stop(result["text"], stops)
-    return JSONResponse(reply.whole(text, reason, _usage(result)))
 
 
 def _model_card(backend: ApiBackend) -> dict[str, Any]:
