@@ -128,17 +128,23 @@ def _field(loc: tuple) -> str:
     return out
 
 
-async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+def validation_problem(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, field) of a body that failed validation, in the words every API uses."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
-        return JSONResponse(error_body(400, message.rstrip(": ")), 400)
+        return message.rstrip(": "), None
     field = _field(tuple(first.get("loc", ())))
     if first.get("type") == "missing":
         message = f"{field} is required" if field else "the request body is empty"
     else:
         message = f"{field}: {first.get('msg', 'invalid value')}" if field else first.get("msg")
-    return JSONResponse(error_body(400, message, field or None), 400)
+    return message, field or None
+
+
+async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, field = validation_problem(exc)
+    return JSONResponse(error_body(400, message, field), 400)
 
 
 async def on_api_error(_request: Request, exc: ApiError) -> JSONResponse:

@@ -66,11 +66,18 @@ class Generation:
                 if not result.get("error"):
                     if tail := trimmer.finish():
                         yield tail
-                    result = {**result, "text": trim_at_stop(result["text"], self.stops)}
+                    result = self._trimmed(result)
                 yield result
                 return
         finally:
             self.cancel()
+
+    def _trimmed(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The result with its text cut at a stop string, and which one ("stop_sequence":
+        None when none ended it)."""
+        text = trim_at_stop(result["text"], self.stops)
+        found = [s for s in self.stops if result["text"].startswith(s, len(text))]
+        return {**result, "text": text, "stop_sequence": found[0] if found else None}
 
     async def result(self) -> dict[str, Any] | None:
         """The final result record (text trimmed at a stop string), or None when the
@@ -79,9 +86,7 @@ class Generation:
             while (event := await self.events.next(self.request)) is not None:
                 if event[0] == "final":
                     result = event[1]
-                    if result.get("error"):
-                        return result
-                    return {**result, "text": trim_at_stop(result["text"], self.stops)}
+                    return result if result.get("error") else self._trimmed(result)
             return None
         finally:
             self.cancel()

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from coordinator.http_api.anthropic_app import add_anthropic_routes
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import (
     ApiError,
@@ -258,6 +259,8 @@ def build_app(backend: ApiBackend) -> FastAPI:
     async def completions(request: Request):
         body = await parse_body(request, CompletionRequest, parsing)
         return await answer(request, body, chat=False)
+
+    add_anthropic_routes(app, backend, parsing)  # /v1/messages
 
     @app.get("/health")
     @app.get("/health/live")
