@@ -42,6 +42,26 @@ from coordinator.http_api.schemas import ChatCompletionRequest, CompletionReques
 from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from coordinator.service.admission import Refused
 
+# What each API serves and refuses (also the README's table).
+API_SUPPORT = {
+    "openai_chat": {"path": "/v1/chat/completions",
+                    "supports": ["stream", "stop", "temperature", "top_p", "seed", "tools",
+                                 "tool_choice auto/none", "max_completion_tokens"],
+                    "refuses": ["n>1", "logprobs", "presence/frequency penalties",
+                                "logit_bias", "response_format json", "tool_choice required/"
+                                "named"]},
+    "openai_completions": {"path": "/v1/completions",
+                           "supports": ["stream", "stop", "temperature", "top_p", "seed",
+                                        "token-id prompts"],
+                           "refuses": ["n>1", "best_of>1", "echo", "suffix", "logprobs"]},
+    "anthropic_messages": {"path": "/v1/messages",
+                           "supports": ["system", "stream", "stop_sequences", "temperature",
+                                        "top_p", "top_k", "tool_use/tool_result blocks",
+                                        "count_tokens"],
+                           "refuses": ["image/document blocks", "thinking",
+                                       "tool_choice any/tool"]},
+}  # fmt: skip
+
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
@@ -284,4 +304,6 @@ def build_app(backend: ApiBackend) -> FastAPI:
 def _model_card(backend: ApiBackend) -> dict[str, Any]:
     return {"id": backend.model_name, "object": "model", "created": backend.created,
             "owned_by": "wedlm-cluster", "max_model_len": backend.context,
-            "default_mode": backend.default_mode}  # fmt: skip
+            "default_mode": backend.default_mode,
+            "tool_calling": backend.tokenizer.tool_calling is not None,
+            "apis": API_SUPPORT}  # fmt: skip
