@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common import prompt_limit
 from common.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class ToolSyntax:
+    """How a model writes a tool call: mlx-lm's markers and parser for its template."""
+
+    start: str  # e.g. "<tool_call>"
+    end: str  # e.g. "</tool_call>"
+    parse: Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools)
 
 # Instruct models end turns with these even when config.json names another EOS.
 _CHAT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
@@ -27,6 +40,7 @@ class Tokenizer:
         except Exception as e:  # transformers raises many types for broken files
             raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from None
         self._hf = self._wrapper._tokenizer
+        _keep_leading_space(self._wrapper)
         vocab = self._hf.get_vocab()
         self.stop_ids = tuple(sorted({vocab[t] for t in _CHAT_STOP_TOKENS if t in vocab}))
         # Special tokens (EOS, chat markers) stay in token lists but not in displayed text.
@@ -51,17 +65,33 @@ class Tokenizer:
             return self.encode_chat([{"role": "user", "content": text}], limit)
         return self._encode(text, True, limit)
 
-    def encode_chat(self, messages: list[dict[str, str]], limit: int | None = None) -> list[int]:
-        """A conversation through the model's chat template, ready for the assistant."""
+    def encode_chat(
+        self, messages: list[dict[str, Any]], limit: int | None = None, tools: list | None = None
+    ) -> list[int]:
+        """A conversation through the model's chat template, ready for the assistant.
+        `tools`: OpenAI function definitions, rendered by the template where it can."""
         if not self.has_chat_template:
             raise CheckpointError("this model's tokenizer has no chat template (drop --chat)")
         if limit is not None:  # before rendering: the template copies every message
-            chars = sum(len(m["content"]) for m in messages)
+            chars = sum(len(m.get("content") or "") for m in messages)
+            chars += sum(len(json.dumps(m["tool_calls"])) for m in messages if m.get("tool_calls"))
+            chars += len(json.dumps(tools)) if tools else 0
             prompt_limit.check_chars(chars, limit, self.longest_token_chars)
         # What apply_chat_template(tokenize=True) does, in two steps so that the rendered
         # text is checked before it is tokenized.
-        text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self._hf.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+        )
         return self._encode(text, False, limit)
+
+    @property
+    def tool_calling(self) -> ToolSyntax | None:
+        """How this model writes a tool call (mlx-lm's markers and parser, chosen from the
+        chat template), or None when its template has no tool calling."""
+        w = self._wrapper
+        if not w.has_tool_calling or w.tool_parser is None:
+            return None
+        return ToolSyntax(w.tool_call_start, w.tool_call_end, w.tool_parser)
 
     def _encode(self, text: str, special: bool, limit: int | None) -> list[int]:
         if limit is not None:
@@ -105,3 +135,25 @@ class TextStream:
     def finish(self) -> str:
         self._detok.finalize()
         return self._detok.last_segment
+
+
+def _keep_leading_space(wrapper) -> None:
+    """Make the streamed text equal `decode(ids)`, the whole answer's text.
+
+    mlx-lm's byte-level BPE stream drops the completion's first space (what a SentencePiece
+    decoder's Strip step does), but a byte-level decoder keeps it: `decode(ids)` of
+    " Paris." is " Paris.", so the stream must be too. SentencePiece streams already agree
+    (they trim exactly where that decoder strips), and the naive stream decodes."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+    class ByteLevelStream(BPEStreamingDetokenizer):
+        def __init__(self, tokenmap: list[str]) -> None:  # mlx-lm's map, not rebuilt
+            self.tokenmap = tokenmap
+            self.reset()
+
+        def _maybe_trim_space(self, current_text: str) -> str:
+            return current_text
+
+    detok = wrapper._detokenizer
+    if type(detok) is BPEStreamingDetokenizer:
+        wrapper._detokenizer = ByteLevelStream(detok.tokenmap)

@@ -36,6 +36,43 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen2.5's template, tools included: mlx-lm reads `<tool_call>` and `tool_call.name` in it
+# and parses calls with its json_tools parser.
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user "
+    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML "
+    "tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
+    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- else %}{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or "
+    "(message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}"
+    "{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\\\"name\\\": \\\"' }}{{- tool_call.name }}"
+    "{{- '\\\", \\\"arguments\\\": ' }}{{- tool_call.arguments | tojson }}"
+    "{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 _CORPUS = (
     "Once upon a time there was a little robot who liked to count: one, two, three, four, five. "
     "The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) [ ] { } < > ? ! . , ; : "
@@ -127,7 +164,9 @@ def _tokenizer_json(vocab_size: int) -> tuple[str, dict[str, int]]:
     return tok.to_str(), {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
 
 
-def _write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
+def _write_tokenizer(
+    out_dir: Path, vocab_size: int, chat_template: str = CHAT_TEMPLATE
+) -> dict[str, int]:
     text, ids = _tokenizer_json(vocab_size)
     (out_dir / "tokenizer.json").write_text(text)
     added = {
@@ -153,7 +192,7 @@ def _write_tokenizer(out_dir: Path, vocab_size: int) -> dict[str, int]:
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 512,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     return ids
@@ -212,6 +251,7 @@ def make_checkpoint(
     seed: int = 0,
     shards: int = 1,
     wedlm_record: bool = True,
+    chat_template: str = CHAT_TEMPLATE,
     **config_overrides: Any,
 ) -> Path:
     """Write a tiny random float32 checkpoint of `family` (see FAMILIES) into `out_dir`.
@@ -222,7 +262,7 @@ def make_checkpoint(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fields = {**_BASE, **extra, **config_overrides}
-    ids = _write_tokenizer(out_dir, fields["vocab_size"])
+    ids = _write_tokenizer(out_dir, fields["vocab_size"], chat_template)
     fields.update(
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],

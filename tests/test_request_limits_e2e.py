@@ -208,9 +208,10 @@ def test_prompt_longer_than_any_context_refused_by_its_length(server):
     error = answer.json()["error"]
     assert answer.status_code == 400 and error["code"] == "context_length_exceeded"
     assert error["message"] == (
+        f"This model's maximum context length is {CONTEXT} tokens. However, "
         f"the prompt is {len(text):,} characters, more than this model's context of "
         f"{CONTEXT:,} tokens can hold ({CONTEXT * longest:,} characters at {longest} per "
-        "token at most)"
+        "token at most). Please reduce the length of the prompt."
     )
 
 
@@ -224,7 +225,7 @@ def test_many_messages_just_under_the_limit(server):
     answer = httpx.post(f"{server['http']}/chat/completions", content=body, timeout=30)
     error = answer.json()["error"]
     assert answer.status_code == 400 and error["code"] == "context_length_exceeded"
-    assert error["message"].startswith("the prompt is 1,200,022 characters, more than")
+    assert "However, the prompt is 1,200,022 characters, more than" in error["message"]
     assert rss(server) - before < 100 * MB  # the parsed messages' peak, not kept alive
     small(server)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
-from common.errors import InvalidRequest
+from common.errors import InvalidRequest, PromptTooLong
 from common.generation_params import MAX_FORWARD_ROWS, GenerationParams
 from common.model_parts import ModelParts
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, row_bucket
@@ -182,7 +182,7 @@ class Engine:
         room = params.forward_rows
         limit = self.config.max_position_embeddings
         if len(prompt) + room > limit:
-            raise InvalidRequest(
+            raise PromptTooLong(
                 f"the prompt has {len(prompt)} tokens; with a window of {room} rows it "
                 f"exceeds the model's context of {limit} positions"
             )

@@ -27,6 +27,7 @@ class ApiBackend:
     api_key: str | None = None
     alive: Callable[[], bool] = lambda: True  # False once the engine thread has stopped
     created: int = field(default_factory=lambda: int(time.time()))
+    cors_origins: tuple[str, ...] = ()  # browser origins answered cross-origin (CORS)
 
     @property
     def default_mode(self) -> str:

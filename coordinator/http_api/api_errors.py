@@ -8,7 +8,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from coordinator.service.admission import INVALID, OVERLOADED, TOO_LARGE, UNAVAILABLE, Refused
+from coordinator.service.admission import (
+    INVALID,
+    OVERLOADED,
+    TOO_LARGE,
+    UNAVAILABLE,
+    Overflow,
+    Refused,
+)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -54,13 +61,52 @@ def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(body, err.status)
 
 
+CONTEXT_EXCEEDED = "context_length_exceeded"
+
+
+def overflow_message(
+    overflow: Overflow, prompt_name: str = "messages", limit_field: str | None = None
+) -> str:
+    """OpenAI's words for a request that does not fit ("This model's maximum context
+    length is N tokens. However, you requested M tokens (P in the messages, C in the
+    completion)..."), which clients such as litellm recognise as a context-window error."""
+    o = overflow
+    where = (" on this cluster now (the KV rows its workers' free memory holds)"
+             if o.kv else "")  # fmt: skip
+    head = f"This model's maximum context length is {o.limit} tokens{where}. However, "
+    if o.completion is None:
+        more = f" (and decoding takes {o.rows} more positions)" if o.rows else ""
+        return (f"{head}your {prompt_name} resulted in {o.prompt} tokens{more}. Please "
+                f"reduce the length of the {prompt_name}.")  # fmt: skip
+    window = f", {o.rows} for the decoding window" if o.rows else ""
+    asked = o.prompt + o.completion + o.rows
+    field = f" ({limit_field})" if limit_field else ""
+    return (f"{head}you requested {asked} tokens ({o.prompt} in the {prompt_name}, "
+            f"{o.completion} in the completion{window}). Please reduce the length of the "
+            f"{prompt_name} or completion{field}.")  # fmt: skip
+
+
+def prompt_too_long_message(detail: str, limit: int, prompt_name: str = "messages") -> str:
+    """A prompt refused before it was tokenized whole: its size is known only roughly."""
+    return (f"This model's maximum context length is {limit} tokens. However, {detail}. "
+            f"Please reduce the length of the {prompt_name}.")  # fmt: skip
+
+
 def from_refusal(
-    refusal: Refused, param: str | None = None, fields: tuple[str, ...] = ()
+    refusal: Refused,
+    param: str | None = None,
+    fields: tuple[str, ...] = (),
+    prompt_name: str = "messages",
 ) -> ApiError:
     """`param`: the field a TOO_LARGE refusal names; an invalid request whose message
-    starts with one of `fields` names that one (e.g. a mode this model does not decode)."""
+    starts with one of `fields` names that one (e.g. a mode this model does not decode).
+    `prompt_name`: the request's prompt field, named by a prompt that does not fit."""
     status = STATUS_OF_REFUSAL[refusal.kind]
-    code = {TOO_LARGE: "context_length_exceeded", OVERLOADED: "overloaded"}.get(refusal.kind)
+    if (overflow := refusal.overflow) is not None:
+        field = prompt_name if overflow.completion is None else param
+        message = overflow_message(overflow, prompt_name, param)
+        return ApiError(400, message, field, CONTEXT_EXCEEDED)
+    code = {TOO_LARGE: CONTEXT_EXCEEDED, OVERLOADED: "overloaded"}.get(refusal.kind)
     message = str(refusal)
     if refusal.kind == INVALID:
         param = next((f for f in fields if message.startswith(f + " ")), None)
@@ -82,17 +128,23 @@ def _field(loc: tuple) -> str:
     return out
 
 
-async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+def validation_problem(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, field) of a body that failed validation, in the words every API uses."""
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":
         message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
-        return JSONResponse(error_body(400, message.rstrip(": ")), 400)
+        return message.rstrip(": "), None
     field = _field(tuple(first.get("loc", ())))
     if first.get("type") == "missing":
         message = f"{field} is required" if field else "the request body is empty"
     else:
         message = f"{field}: {first.get('msg', 'invalid value')}" if field else first.get("msg")
-    return JSONResponse(error_body(400, message, field or None), 400)
+    return message, field or None
+
+
+async def on_validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    message, field = validation_problem(exc)
+    return JSONResponse(error_body(400, message, field), 400)
 
 
 async def on_api_error(_request: Request, exc: ApiError) -> JSONResponse:

@@ -8,16 +8,16 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from coordinator.http_api.anthropic_app import add_anthropic_routes
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import (
     ApiError,
@@ -29,21 +29,38 @@ from coordinator.http_api.api_errors import (
 )
 from coordinator.http_api.body_limit import LimitBody
 from coordinator.http_api.body_parsing import PARSING_AT_ONCE, parse_body
-from coordinator.http_api.job_events import JobEvents
+from coordinator.http_api.generation import Generation, failure, finish_reason
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
     chat_prompt,
+    chat_tools,
     completion_prompt,
     generation_params,
 )
 from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
-from coordinator.http_api.stop_text import StopText, trim_at_stop
+from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from coordinator.service.admission import Refused
-from coordinator.service.jobs import Job
-from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 
-FINISH_REASONS = {"stop": "stop", "length": "length"}  # others: the request was aborted
+# What each API serves and refuses (also the README's table).
+API_SUPPORT = {
+    "openai_chat": {"path": "/v1/chat/completions",
+                    "supports": ["stream", "stop", "temperature", "top_p", "seed", "tools",
+                                 "tool_choice auto/none", "max_completion_tokens"],
+                    "refuses": ["n>1", "logprobs", "presence/frequency penalties",
+                                "logit_bias", "response_format json", "tool_choice required/"
+                                "named"]},
+    "openai_completions": {"path": "/v1/completions",
+                           "supports": ["stream", "stop", "temperature", "top_p", "seed",
+                                        "token-id prompts"],
+                           "refuses": ["n>1", "best_of>1", "echo", "suffix", "logprobs"]},
+    "anthropic_messages": {"path": "/v1/messages",
+                           "supports": ["system", "stream", "stop_sequences", "temperature",
+                                        "top_p", "top_k", "tool_use/tool_result blocks",
+                                        "count_tokens"],
+                           "refuses": ["image/document blocks", "thinking",
+                                       "tool_choice any/tool"]},
+}  # fmt: skip
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -58,6 +75,7 @@ class _Reply:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
+        self.call_index = 0  # of the next streamed tool call
         # A text chunk is this prefix, the JSON string, this suffix: built once per
         # request, since a stream sends one per commit.
         head = _sse(self._envelope("chat.completion.chunk" if chat else "text_completion", []))
@@ -90,9 +108,24 @@ class _Reply:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return _sse(self._envelope(obj, [], usage=usage))
 
-    def whole(self, text: str, finish: str, usage: dict[str, int]) -> dict[str, Any]:
+    def calls_chunk(self, calls: list[dict[str, Any]]) -> str:
+        """Tool calls, each whole in one delta (sent once its end marker arrived)."""
+        deltas = []
+        for call in calls:
+            deltas.append({"index": self.call_index, **call})
+            self.call_index += 1
+        choice = {"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None,
+                  "logprobs": None}  # fmt: skip
+        return _sse(self._envelope("chat.completion.chunk", [choice]))
+
+    def whole(
+        self, text: str, finish: str, usage: dict[str, int], calls: list | None = None
+    ) -> dict[str, Any]:
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["content"] = text or None
+                message["tool_calls"] = calls
             choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
             return self._envelope("chat.completion", [choice], usage=usage)
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
@@ -124,8 +157,18 @@ def build_app(backend: ApiBackend) -> FastAPI:
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
-    # Added first, so it runs inside CountRequests: refused bodies are counted too.
+    # The last added runs first: CountRequests sees everything (refused bodies and
+    # preflights too), CORS answers preflights and adds its headers to every answer, the
+    # body limit's 413 included, so that a browser can read it.
     app.add_middleware(LimitBody, max_bytes=backend.max_request_bytes)
+    if backend.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(backend.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["*"],
+        )
     app.add_middleware(CountRequests, metrics=backend.metrics)
 
     async def authorized(authorization: str | None = Header(default=None)) -> None:
@@ -139,70 +182,81 @@ def build_app(backend: ApiBackend) -> FastAPI:
             raise ApiError(404, f"The model {name!r} does not exist: this server serves "
                            f"{backend.model_name!r}", "model", "model_not_found")  # fmt: skip
 
-    def admit(body: GenerationFields, chat: bool, events: JobEvents) -> Job:
-        """On a worker thread (one hop per request): the chat template and tokenization can
-        take milliseconds, and admission may write the job to the store."""
-        encode = chat_prompt if chat else completion_prompt
-        prompt = encode(body, backend.tokenizer, backend.context)  # type: ignore[arg-type]
-        params = generation_params(body, len(prompt), backend.context, backend.default_max_tokens)
-        return backend.admission.accept(prompt, params, 0.0, events.put)
-
-    async def start(body: GenerationFields, chat: bool) -> tuple[Job, JobEvents]:
+    async def start(request: Request, body: GenerationFields, chat: bool) -> Generation:
         check_model(body.model)
-        events = JobEvents(asyncio.get_running_loop())
+
+        def encode():
+            prompt = (chat_prompt if chat else completion_prompt)(
+                body, backend.tokenizer, backend.context  # type: ignore[arg-type]
+            )
+            params = generation_params(
+                body, len(prompt), backend.context, backend.default_max_tokens
+            )
+            return prompt, params
+
         try:
-            job = await run_in_threadpool(admit, body, chat, events)
+            return await Generation.start(backend, request, encode)
         except Refused as e:
-            raise from_refusal(e, body.limit_field(), PARAM_FIELDS) from None
-        return job, events
+            raise from_refusal(e, body.limit_field(), PARAM_FIELDS, body.prompt_field()) from None
 
     async def answer(request: Request, body: GenerationFields, chat: bool):
-        job, events = await start(body, chat)
+        gen = await start(request, body, chat)
         reply = _Reply(chat, backend.model_name)
-        stops = job.params.stop_strings
+        tools = None
+        if chat and body.tools_in_use():  # type: ignore[attr-defined]
+            tools = (backend.tokenizer.tool_calling, chat_tools(body))  # type: ignore[arg-type]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _stream(request, job, events, reply, stops, include_usage),
+                _stream(gen, reply, include_usage, tools),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        try:
-            while (event := await events.next(request)) is not None:
-                if event[0] == "final":
-                    return _whole(reply, event[1], stops)
+        result = await gen.result()
+        if result is None:
             return JSONResponse(error_body(499, "the client disconnected"), 499)
-        finally:
-            if not job.finished:  # the client went away (or the server stops): free its KV
-                backend.admission.cancel(job)
+        if result.get("error"):
+            raise failure(result)
+        text, calls = result["text"], []
+        if tools is not None:
+            text, calls = split_tool_calls(tools[0], text, tools[1])
+        reason = finish_reason(result)
+        if calls and reason == "stop":
+            reason = "tool_calls"
+        return JSONResponse(reply.whole(text, reason, _usage(result), calls))
 
-    async def _stream(request, job, events, reply, stops, include_usage) -> AsyncIterator[str]:
-        trimmer = StopText(stops)
-        try:
-            if reply.chat:
-                yield reply.chunk(None, role=True)
-            while (event := await events.next(request)) is not None:
-                if event[0] == "tokens":
-                    if text := trimmer.add(event[2]):
-                        yield reply.text_chunk(text)
-                    continue
-                result = event[1]
-                if result.get("error"):
-                    failure = _failure(result)
-                    yield _sse(error_body(failure.status, failure.message, code=failure.code,
-                                          kind=failure.kind))  # fmt: skip
+    async def _stream(gen: Generation, reply: _Reply, include_usage: bool, tools):
+        calls = ToolCallStream(*tools) if tools is not None else None
+
+        def chunks(pieces):  # text, or the calls of one completed tool call
+            for p in pieces:
+                yield reply.text_chunk(p) if isinstance(p, str) else reply.calls_chunk(p)
+
+        if reply.chat:
+            yield reply.chunk(None, role=True)
+        async for piece in gen.pieces():
+            if isinstance(piece, str):
+                if calls is None:
+                    yield reply.text_chunk(piece)
                 else:
-                    if tail := trimmer.finish():
-                        yield reply.text_chunk(tail)
-                    reason = FINISH_REASONS.get(result["finish_reason"] or "", "abort")
-                    yield reply.chunk(None, finish=reason)
-                    if include_usage:
-                        yield reply.usage_chunk(_usage(result))
-                yield "data: [DONE]\n\n"
-                return
-        finally:
-            if not job.finished:  # disconnected mid-stream: cancel, so its KV is freed
-                backend.admission.cancel(job)
+                    for chunk in chunks(calls.add(piece)):
+                        yield chunk
+                continue
+            result = piece
+            if result.get("error"):
+                fail = failure(result)
+                yield _sse(error_body(fail.status, fail.message, code=fail.code, kind=fail.kind))
+            else:
+                reason = finish_reason(result)
+                if calls is not None:
+                    for chunk in chunks(calls.finish()):
+                        yield chunk
+                    if calls.calls and reason == "stop":
+                        reason = "tool_calls"
+                yield reply.chunk(None, finish=reason)
+                if include_usage:
+                    yield reply.usage_chunk(_usage(result))
+            yield "data: [DONE]\n\n"
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
@@ -226,6 +280,8 @@ def build_app(backend: ApiBackend) -> FastAPI:
         body = await parse_body(request, CompletionRequest, parsing)
         return await answer(request, body, chat=False)
 
+    add_anthropic_routes(app, backend, parsing)  # /v1/messages
+
     @app.get("/health")
     @app.get("/health/live")
     async def live() -> JSONResponse:
@@ -245,26 +301,9 @@ def build_app(backend: ApiBackend) -> FastAPI:
     return app
 
 
-def _failure(result: dict[str, Any]) -> ApiError:
-    """A failed generation: out of memory is a 503 server_error (retry later, or ask
-    for less), a stopped engine a 503 (the server cannot decode), anything else a 500."""
-    kind = result.get("error_kind", "")
-    if kind == OUT_OF_MEMORY:
-        return ApiError(503, result["error"], code="out_of_memory", kind="server_error")
-    if kind == ENGINE_STOPPED:
-        return ApiError(503, result["error"], code="engine_stopped")
-    return ApiError(500, f"generation failed: {result['error']}", code="generation_failed")
-
-
-def _whole(reply: _Reply, result: dict[str, Any], stops: tuple[str, ...]) -> JSONResponse:
-    if result.get("error"):
-        raise _failure(result)
-    reason = FINISH_REASONS.get(result["finish_reason"] or "", "abort")
-    text = trim_at_stop(result["text"], stops)
-    return JSONResponse(reply.whole(text, reason, _usage(result)))
-
-
 def _model_card(backend: ApiBackend) -> dict[str, Any]:
     return {"id": backend.model_name, "object": "model", "created": backend.created,
             "owned_by": "wedlm-cluster", "max_model_len": backend.context,
-            "default_mode": backend.default_mode}  # fmt: skip
+            "default_mode": backend.default_mode,
+            "tool_calling": backend.tokenizer.tool_calling is not None,
+            "apis": API_SUPPORT}  # fmt: skip

@@ -4,20 +4,28 @@ omitted temperature means greedy decoding (the server default, as mlx-lm's serve
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import replace
+from typing import Any
 
 from common.errors import CheckpointError, InvalidRequest, PromptTooLong
 from common.generation_params import GenerationParams
 from common.prompt_limit import check_tokens
 from common.tokenizer import Tokenizer
-from coordinator.http_api.api_errors import ApiError
+from coordinator.http_api.api_errors import (
+    CONTEXT_EXCEEDED,
+    ApiError,
+    overflow_message,
+    prompt_too_long_message,
+)
 from coordinator.http_api.schemas import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     GenerationFields,
 )
+from coordinator.service.admission import Overflow
 
 DEFAULTS = GenerationParams()
 MAX_STOP_STRINGS = 16
@@ -42,21 +50,61 @@ def _message_text(i: int, message: ChatMessage) -> str:
     return "".join(parts)
 
 
-def _too_long(e: PromptTooLong, field: str) -> ApiError:
-    return ApiError(400, str(e), field, "context_length_exceeded")
+def _too_long(e: PromptTooLong, field: str, context: int) -> ApiError:
+    return ApiError(400, prompt_too_long_message(str(e), context, field), field, CONTEXT_EXCEEDED)
+
+
+def _template_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    """One OpenAI message as chat templates read it (transformers' convention, as mlx-lm's
+    server passes it): a call's arguments as a mapping, a tool result's call id kept."""
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                           "content": _message_text(i, m)}  # fmt: skip
+    if m.tool_calls:
+        calls = []
+        for j, call in enumerate(m.tool_calls):
+            arguments = call.function.arguments
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except ValueError:
+                    raise ApiError(
+                        400,
+                        f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                        f"messages[{i}].tool_calls[{j}].function.arguments",
+                    ) from None
+            function = {"name": call.function.name, "arguments": arguments}
+            calls.append({"id": call.id or "", "type": "function", "function": function})
+        out["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None and m.role == "tool":
+        out["name"] = m.name
+    return out
+
+
+def chat_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools as the chat template reads them (None: not rendered)."""
+    if not body.tools_in_use():
+        return None
+    return [t.model_dump(exclude_none=True) for t in body.tools or ()]
 
 
 def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, context: int) -> list[int]:
     """`context`: the model's positions; a prompt that cannot fit them is refused without
     being tokenized whole."""
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": _message_text(i, m)}
-        for i, m in enumerate(body.messages)
-    ]
+    messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
+    tools = chat_tools(body)
+    if tools and tokenizer.tool_calling is None:
+        raise ApiError(
+            400,
+            "tools: this model's chat template has no tool calling (no tool-call format "
+            "mlx-lm knows); send tool_choice 'none' or no tools",
+            "tools",
+        )
     try:
-        return tokenizer.encode_chat(messages, context)
+        return tokenizer.encode_chat(messages, context, tools)
     except PromptTooLong as e:
-        raise _too_long(e, "messages") from None
+        raise _too_long(e, "messages", context) from None
     except CheckpointError:
         raise ApiError(
             400,
@@ -80,7 +128,7 @@ def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer, context: in
             return tokenizer.encode(prompt, limit=context)
         check_tokens(len(prompt), context, "token ids")
     except PromptTooLong as e:
-        raise _too_long(e, "prompt") from None
+        raise _too_long(e, "prompt", context) from None
     return [int(t) for t in prompt]
 
 
@@ -129,25 +177,12 @@ def generation_params(
             field, message = "stop_token_ids", f"stop_token_ids: {message}"
         raise ApiError(400, message, field) from None
     room = context - prompt_tokens - params.forward_rows
-    if room < 1:
-        raise ApiError(
-            400,
-            f"the prompt's {prompt_tokens:,} tokens leave no room for a completion in this "
-            f"model's context of {context:,} tokens (decoding takes {params.forward_rows} "
-            "more rows)",
-            body.prompt_field(),
-            "context_length_exceeded",
-        )
     max_tokens = body.limit()
-    limit_field = body.limit_field()
-    if max_tokens is not None and max_tokens > room:
-        raise ApiError(
-            400,
-            f"{limit_field} is {max_tokens}, but the prompt's {prompt_tokens} tokens leave "
-            f"room for {max(room, 0)} in this model's context of {context}",
-            limit_field,
-            "context_length_exceeded",
-        )
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        overflow = Overflow(context, prompt_tokens, max_tokens, params.forward_rows)
+        field = body.prompt_field() if max_tokens is None else body.limit_field()
+        message = overflow_message(overflow, body.prompt_field(), body.limit_field())
+        raise ApiError(400, message, field, CONTEXT_EXCEEDED)
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, room))
     return replace(params, max_tokens=max_tokens)

@@ -24,10 +24,35 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result answers this call
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class GenerationFields(_Body):
@@ -92,8 +117,9 @@ class GenerationFields(_Body):
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
     def limit(self) -> int | None:
@@ -105,11 +131,16 @@ class ChatCompletionRequest(GenerationFields):
     def prompt_field(self) -> str:
         return "messages"
 
+    def tools_in_use(self) -> bool:
+        """Tools are rendered into the prompt and calls parsed from the answer."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tool calls are not supported by this server"
         if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool calls are not supported by this server"
+            return "tool_choice", (
+                "tool_choice: only 'auto' and 'none' are supported ('required' and a named "
+                "function need constrained decoding, which this server does not have yet)"
+            )
         if self.response_format and self.response_format.get("type") != "text":
             return "response_format", "only the text response format is supported"
         return super().unsupported()

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from common.errors import CheckpointError, InvalidRequest, WedlmError
+from common.errors import CheckpointError, InvalidRequest, PromptTooLong, WedlmError
 from common.generation_params import GenerationParams
 from coordinator.engine.engine import Engine
 from coordinator.service.engine_loop import EngineLoop
@@ -18,10 +19,24 @@ from coordinator.service.jobs import Job, JobRegistry
 INVALID, TOO_LARGE, OVERLOADED, UNAVAILABLE = "invalid", "too_large", "overloaded", "unavailable"
 
 
+@dataclass(frozen=True)
+class Overflow:
+    """A request that cannot fit: `limit` positions (the model's context, or the KV rows
+    the workers' memory holds now), `prompt` + `completion` + `rows` (the decoding window)
+    asked for. Front ends word it their API's way (OpenAI's context_length_exceeded)."""
+
+    limit: int
+    prompt: int
+    completion: int | None
+    rows: int
+    kv: bool = False  # the limit is the workers' free memory, not the model's context
+
+
 class Refused(WedlmError):
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: str, message: str, overflow: Overflow | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.overflow = overflow
 
 
 class Admission:
@@ -63,6 +78,10 @@ class Admission:
             self.engine.validate_prompt(prompt, params)
             if deadline_s < 0 or deadline_s != deadline_s:
                 raise InvalidRequest(f"deadline_s must be >= 0, got {deadline_s}")
+        except PromptTooLong as e:
+            limit = self.engine.config.max_position_embeddings
+            overflow = Overflow(limit, len(prompt), None, params.forward_rows)
+            raise Refused(INVALID, str(e), overflow) from None
         except (InvalidRequest, CheckpointError) as e:
             raise Refused(INVALID, str(e)) from None
         budget = self.engine.scheduler.limits.kv_tokens
@@ -72,6 +91,7 @@ class Admission:
                 TOO_LARGE,
                 f"the request may need {need} KV rows; the workers' free memory holds "
                 f"{budget} (lower max_tokens or add workers)",
+                Overflow(budget, len(prompt), params.max_tokens, params.forward_rows, kv=True),
             )
         with self._lock:
             self._check_room(len(prompt))

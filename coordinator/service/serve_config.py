@@ -46,6 +46,7 @@ KEYS: dict[str, tuple[type, str]] = {
     "prefix_cache_tokens": (int, "KV rows the prefix cache may keep"),
     "default_max_tokens": (int, "max tokens of an HTTP request that names no limit"),
     "max_request_bytes": (int, "the largest HTTP body or gRPC client message"),
+    "cors_origins": (list, "browser origins the HTTP API answers cross-origin (CORS)"),
 }
 
 _ZERO_ALLOWED = ("port", "expect", "http_port", "prefill_hold")  # 0 means something
@@ -72,6 +73,8 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
             raise WedlmError(
                 f"{path}: {key} ({what}) must be {article} {kind.__name__}, got {value!r}"
             )
+        if key == "cors_origins" and not all(isinstance(o, str) and o for o in value):
+            raise WedlmError(f'{path}: cors_origins must be a list of origins ("https://host")')
         if key == "workers" and not all(isinstance(w, str) and ":" in w for w in value):
             raise WedlmError(f'{path}: workers must be a list of "HOST:PORT" strings')
         if kind in (int, float) and value <= 0 and key not in _ZERO_ALLOWED:

@@ -104,6 +104,7 @@ class ServeOptions:
     prefix_cache_tokens: int | None = None  # its budget (None: a share of the KV budget)
     default_max_tokens: int = 2048  # HTTP requests that name no limit
     max_request_bytes: int | None = None  # a client request's bytes (None: from the context)
+    cors_origins: tuple[str, ...] = ()  # browser origins the HTTP API answers (CORS)
 
 
 class _NotReady:
@@ -234,6 +235,7 @@ class CoordinatorServer:
                 self.metrics,
                 opts.api_key,
                 alive=self.alive,
+                cors_origins=opts.cors_origins,
             )
             self.http = HttpServer(backend, opts.host, opts.http_port)
 

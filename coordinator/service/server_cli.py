@@ -53,6 +53,13 @@ _non_negative = _number(int, 0, "a whole number")
 _seconds = _number(float, 1e-3, "seconds")
 
 
+def _origins(text: str) -> list[str]:
+    origins = [o.strip() for o in text.split(",") if o.strip()]
+    if not origins:
+        raise argparse.ArgumentTypeError("expected origins such as https://host,http://host:3000")
+    return origins
+
+
 def _layer_range(text: str):
     try:
         layers = LayerRange.parse(text)
@@ -131,6 +138,14 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         "default: $WEDLM_API_KEY)",
     )
     p.add_argument("--served-model-name", help="the model's name in the APIs (default: folder)")
+    p.add_argument(
+        "--cors-origins",
+        type=_origins,
+        default=None,
+        metavar="ORIGIN,...",
+        help="browser origins the HTTP API answers cross-origin requests from (CORS), "
+        "comma-separated, e.g. https://chat.example.com ('*': any); default: none",
+    )
     p.add_argument(
         "--kv-bits",
         type=int,
@@ -335,6 +350,7 @@ def serve_options(args: argparse.Namespace, **fixed):
         prefix_cache_tokens=args.prefix_cache_tokens,
         default_max_tokens=args.default_max_tokens,
         max_request_bytes=args.max_request_bytes,
+        cors_origins=tuple(args.cors_origins or ()),
     )
     return ServeOptions(**{**shared, **fixed})
 

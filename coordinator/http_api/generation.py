@@ -1,0 +1,109 @@
+"""One generation request on the HTTP side, shared by every API (OpenAI, Anthropic,
+Ollama, Responses): admission on a worker thread, the engine's events handed to the event
+loop, stop strings trimmed, and the job cancelled (its KV freed) when the client goes
+away. An API only turns a request into (prompt ids, GenerationParams) and the pieces
+into its own chunks, events and errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from common.generation_params import GenerationParams
+from coordinator.http_api.api_backend import ApiBackend
+from coordinator.http_api.api_errors import ApiError
+from coordinator.http_api.job_events import JobEvents
+from coordinator.http_api.stop_text import StopText, trim_at_stop
+from coordinator.service.jobs import Job
+from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
+
+Encode = Callable[[], tuple[list[int], GenerationParams]]
+
+
+class Generation:
+    def __init__(self, backend: ApiBackend, request: Request, job: Job, events: JobEvents):
+        self.backend, self.request, self.job, self.events = backend, request, job, events
+        self.stops = job.params.stop_strings
+
+    @classmethod
+    async def start(cls, backend: ApiBackend, request: Request, encode: Encode) -> Generation:
+        """`encode` runs on a worker thread (a chat template and tokenization can take
+        milliseconds, and admission may write the job to the store); it raises the API's
+        own errors, admission raises Refused (each API words it)."""
+        events = JobEvents(asyncio.get_running_loop())
+
+        def admit() -> Job:
+            prompt, params = encode()
+            return backend.admission.accept(prompt, params, 0.0, events.put)
+
+        job = await run_in_threadpool(admit)
+        return cls(backend, request, job, events)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.job.prompt)
+
+    def cancel(self) -> None:
+        if not self.job.finished:  # the client went away (or the server stops): free its KV
+            self.backend.admission.cancel(self.job)
+
+    async def pieces(self) -> AsyncIterator[str | dict[str, Any]]:
+        """The answer's text as it commits (stop strings left out), then the final result
+        record (its "text" trimmed the same way). Ends without a result when the client
+        disconnected; the job is cancelled then."""
+        trimmer = StopText(self.stops)
+        try:
+            while (event := await self.events.next(self.request)) is not None:
+                if event[0] == "tokens":
+                    if text := trimmer.add(event[2]):
+                        yield text
+                    continue
+                result = event[1]
+                if not result.get("error"):
+                    if tail := trimmer.finish():
+                        yield tail
+                    result = self._trimmed(result)
+                yield result
+                return
+        finally:
+            self.cancel()
+
+    def _trimmed(self, result: dict[str, Any]) -> dict[str, Any]:
+        """The result with its text cut at a stop string, and which one ("stop_sequence":
+        None when none ended it)."""
+        text = trim_at_stop(result["text"], self.stops)
+        found = [s for s in self.stops if result["text"].startswith(s, len(text))]
+        return {**result, "text": text, "stop_sequence": found[0] if found else None}
+
+    async def result(self) -> dict[str, Any] | None:
+        """The final result record (text trimmed at a stop string), or None when the
+        client disconnected first."""
+        try:
+            while (event := await self.events.next(self.request)) is not None:
+                if event[0] == "final":
+                    result = event[1]
+                    return result if result.get("error") else self._trimmed(result)
+            return None
+        finally:
+            self.cancel()
+
+
+def failure(result: dict[str, Any]) -> ApiError:
+    """A failed generation: out of memory is a 503 server_error (retry later, or ask
+    for less), a stopped engine a 503 (the server cannot decode), anything else a 500."""
+    kind = result.get("error_kind", "")
+    if kind == OUT_OF_MEMORY:
+        return ApiError(503, result["error"], code="out_of_memory", kind="server_error")
+    if kind == ENGINE_STOPPED:
+        return ApiError(503, result["error"], code="engine_stopped")
+    return ApiError(500, f"generation failed: {result['error']}", code="generation_failed")
+
+
+def finish_reason(result: dict[str, Any]) -> str:
+    """"stop" (EOS, a stop id or string), "length" (the limit or the context), or "abort"
+    (cancelled, expired)."""
+    return {"stop": "stop", "length": "length"}.get(result.get("finish_reason") or "", "abort")
