@@ -9,6 +9,8 @@ import secrets
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,6 +144,34 @@ def start_coordinator(
     )
     m = proc.expect(r"listening on (127\.0\.0\.1:\d+)")
     return proc, m.group(1)
+
+
+@dataclass
+class HttpCoordinator:
+    proc: Proc
+    address: str  # gRPC, HOST:PORT
+    http: str  # the OpenAI API's base URL, http://HOST:PORT/v1
+
+    @property
+    def root(self) -> str:
+        return self.http.removesuffix("/v1")
+
+
+@contextmanager
+def http_coordinator(
+    model: Path | str, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[HttpCoordinator]:
+    """A coordinator alone (every layer in-process) serving the HTTP API on a free port,
+    ready when entered, stopped on exit."""
+    proc, address = start_coordinator(
+        model, cluster_name(), "--no-bonjour", "--http-port", "0", *extra, env=env
+    )
+    try:
+        http = proc.expect(r"HTTP API on (http://\S+/v1)").group(1)
+        proc.expect("serving")
+        yield HttpCoordinator(proc, address, http)
+    finally:
+        proc.stop()
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from coordinator.http_api.anthropic_app import MessagesRequest, to_openai
-from tests.cluster_harness import cluster_name, start_coordinator
+from tests.cluster_harness import http_coordinator
 
 KEY = "anthropic-key"
 SYSTEM = "You answer briefly."
@@ -23,15 +23,8 @@ TURNS = [
 @pytest.fixture(scope="module")
 def server(checkpoint_dir):
     model = checkpoint_dir("qwen2", seed=7)
-    coord, _ = start_coordinator(
-        model, cluster_name(), "--no-bonjour", "--http-port", "0", "--api-key", KEY
-    )
-    try:
-        http = coord.expect(r"HTTP API on (http://\S+/v1)").group(1)
-        coord.expect("serving")
-        yield {"http": http, "root": http.removesuffix("/v1"), "model": model.name}
-    finally:
-        coord.stop()
+    with http_coordinator(model, "--api-key", KEY) as coord:
+        yield {"http": coord.http, "root": coord.root, "model": model.name}
 
 
 @pytest.fixture(scope="module")

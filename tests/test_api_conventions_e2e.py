@@ -12,7 +12,7 @@ import pytest
 from common.tokenizer import Tokenizer
 from coordinator.http_api.api_errors import CONTEXT_EXCEEDED, from_refusal
 from coordinator.service.admission import INVALID, TOO_LARGE, Overflow, Refused
-from tests.cluster_harness import cluster_name, start_coordinator
+from tests.cluster_harness import http_coordinator
 
 KEY = "conventions-key"
 ORIGIN = "https://chat.example.com"
@@ -25,16 +25,9 @@ def model(checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def server(model):
-    coord, _ = start_coordinator(
-        model, cluster_name(), "--no-bonjour", "--http-port", "0", "--api-key", KEY,
-        "--cors-origins", f"{ORIGIN},http://localhost:3000",
-    )  # fmt: skip
-    try:
-        http = coord.expect(r"HTTP API on (http://\S+/v1)").group(1)
-        coord.expect("serving")
-        yield {"http": http, "model": model.name}
-    finally:
-        coord.stop()
+    origins = f"{ORIGIN},http://localhost:3000"
+    with http_coordinator(model, "--api-key", KEY, "--cors-origins", origins) as coord:
+        yield {"http": coord.http, "model": model.name}
 
 
 @pytest.fixture(scope="module")

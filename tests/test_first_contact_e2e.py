@@ -14,7 +14,7 @@ import sys
 import openai
 import pytest
 
-from tests.cluster_harness import cluster_name, start_coordinator, wait_until
+from tests.cluster_harness import http_coordinator, wait_until
 from wedlm_client.client import WedlmClient
 
 pytestmark = pytest.mark.skipif(
@@ -29,13 +29,8 @@ def server():
     from common.default_model import default_model_path
 
     default_model_path()  # fetched (or found cached) here, not inside the server's startup
-    coord, address = start_coordinator("default", cluster_name(), "--http-port", "0")
-    try:
-        http = coord.expect(r"HTTP API on (http://\S+/v1)").group(1)
-        coord.expect("serving")
-        yield {"address": address, "http": http, "proc": coord}
-    finally:
-        coord.stop()
+    with http_coordinator("default") as coord:
+        yield {"address": coord.address, "http": coord.http, "proc": coord.proc}
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.generation_params import GenerationParams
 from common.tokenizer import Tokenizer
 from coordinator.service.fault_hooks import ENGINE_CRASH_FAULT, FAULT_ENV, OUT_OF_MEMORY_FAULT
-from tests.cluster_harness import cluster_name, engine_outputs, start_coordinator, wait_until
+from tests.cluster_harness import engine_outputs, http_coordinator, wait_until
 from wedlm_client.client import WedlmClient
 
 LONG = 160  # tokens: long enough that a fault lands while the requests decode
@@ -38,16 +38,12 @@ def model(checkpoint_dir):
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     fault = tmp_path_factory.mktemp("faults") / "fault"
-    coord, address = start_coordinator(model, cluster_name(), "--http-port", "0",
-                                       env={FAULT_ENV: str(fault)})  # fmt: skip
-    try:
-        http = coord.expect(r"HTTP API on (http://\S+/v1)").group(1)
-        coord.expect("serving")
-        with WedlmClient(address) as grpc_client:
-            yield {"address": address, "http": http, "proc": coord, "fault": fault,
-                   "grpc": grpc_client, "model": model.name}  # fmt: skip
-    finally:
-        coord.stop()
+    with (
+        http_coordinator(model, env={FAULT_ENV: str(fault)}) as coord,
+        WedlmClient(coord.address) as grpc_client,
+    ):
+        yield {"address": coord.address, "http": coord.http, "proc": coord.proc,
+               "fault": fault, "grpc": grpc_client, "model": model.name}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

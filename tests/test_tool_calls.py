@@ -16,7 +16,7 @@ from coordinator.http_api.request_mapping import chat_prompt
 from coordinator.http_api.schemas import ChatCompletionRequest
 from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from tests.checkpoints import TOOL_CHAT_TEMPLATE
-from tests.cluster_harness import cluster_name, start_coordinator
+from tests.cluster_harness import http_coordinator
 
 WEATHER = {
     "type": "function",
@@ -116,13 +116,8 @@ def test_streamed_answer_split_chunk_by_chunk(tok, size):
 
 @pytest.fixture(scope="module")
 def server(model):
-    coord, _ = start_coordinator(model, cluster_name(), "--no-bonjour", "--http-port", "0")
-    try:
-        http = coord.expect(r"HTTP API on (http://\S+/v1)").group(1)
-        coord.expect("serving")
-        yield {"http": http, "model": model.name}
-    finally:
-        coord.stop()
+    with http_coordinator(model) as coord:
+        yield {"http": coord.http, "model": model.name}
 
 
 @pytest.fixture(scope="module")

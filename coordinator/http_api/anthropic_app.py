@@ -13,13 +13,13 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import ApiError, from_refusal, validation_problem
 from coordinator.http_api.body_parsing import parse_body
-from coordinator.http_api.generation import Generation, failure, finish_reason
+from coordinator.http_api.generation import Generation, event_stream, failure, finish_reason
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
     chat_prompt,
@@ -252,11 +252,7 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         tools = tools_of(chat)
         if body.stream:
-            return StreamingResponse(
-                _stream(gen, message_id, tools),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return event_stream(_stream(gen, message_id, tools))
         result = await gen.result()
         if result is None:
             return JSONResponse(error_body(499, "the client disconnected"), 499)

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
@@ -107,3 +108,12 @@ def finish_reason(result: dict[str, Any]) -> str:
     """"stop" (EOS, a stop id or string), "length" (the limit or the context), or "abort"
     (cancelled, expired)."""
     return {"stop": "stop", "length": "length"}.get(result.get("finish_reason") or "", "abort")
+
+
+def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:
+    """Server-sent events, unbuffered by proxies (every API's streamed answer)."""
+    return StreamingResponse(
+        chunks,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,7 +29,7 @@ from coordinator.http_api.api_errors import (
 )
 from coordinator.http_api.body_limit import LimitBody
 from coordinator.http_api.body_parsing import PARSING_AT_ONCE, parse_body
-from coordinator.http_api.generation import Generation, failure, finish_reason
+from coordinator.http_api.generation import Generation, event_stream, failure, finish_reason
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
@@ -207,11 +207,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
             tools = (backend.tokenizer.tool_calling, chat_tools(body))  # type: ignore[arg-type]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                _stream(gen, reply, include_usage, tools),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return event_stream(_stream(gen, reply, include_usage, tools))
         result = await gen.result()
         if result is None:
             return JSONResponse(error_body(499, "the client disconnected"), 499)
