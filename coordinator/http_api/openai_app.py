@@ -30,6 +30,7 @@ from coordinator.http_api.api_errors import (
 from coordinator.http_api.body_limit import LimitBody
 from coordinator.http_api.body_parsing import PARSING_AT_ONCE, parse_body
 from coordinator.http_api.generation import Generation, failure, finish_reason
+from coordinator.http_api.ollama_app import add_ollama_routes
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
@@ -60,6 +61,11 @@ API_SUPPORT = {
                                         "count_tokens"],
                            "refuses": ["image/document blocks", "thinking",
                                        "tool_choice any/tool"]},
+    "ollama": {"path": "/api/chat, /api/generate, /api/tags, /api/show, /api/version",
+               "supports": ["stream (NDJSON)", "system", "raw", "options temperature/top_p/"
+                            "top_k/num_predict/stop/seed", "tools", "model name or name:latest"],
+               "refuses": ["images", "format json/schema", "think", "template", "suffix",
+                           "context"]},
 }  # fmt: skip
 
 
@@ -281,6 +287,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
         return await answer(request, body, chat=False)
 
     add_anthropic_routes(app, backend, parsing)  # /v1/messages
+    add_ollama_routes(app, backend, parsing)  # /api/chat, /api/generate, ...
 
     @app.get("/health")
     @app.get("/health/live")
