@@ -30,6 +30,7 @@ from coordinator.http_api.api_errors import (
 from coordinator.http_api.body_limit import LimitBody
 from coordinator.http_api.body_parsing import PARSING_AT_ONCE, parse_body
 from coordinator.http_api.generation import Generation, event_stream, failure, finish_reason
+from coordinator.http_api.ollama_app import add_ollama_routes
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
@@ -38,6 +39,7 @@ from coordinator.http_api.request_mapping import (
     completion_prompt,
     generation_params,
 )
+from coordinator.http_api.responses_app import add_responses_routes
 from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
 from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from coordinator.service.admission import Refused
@@ -60,6 +62,16 @@ API_SUPPORT = {
                                         "count_tokens"],
                            "refuses": ["image/document blocks", "thinking",
                                        "tool_choice any/tool"]},
+    "openai_responses": {"path": "/v1/responses",
+                         "supports": ["input string or message items", "instructions",
+                                      "max_output_tokens", "temperature", "top_p", "stream"],
+                         "refuses": ["store true", "previous_response_id", "background",
+                                     "tools", "text.format json", "non-text input"]},
+    "ollama": {"path": "/api/chat, /api/generate, /api/tags, /api/show, /api/version",
+               "supports": ["stream (NDJSON)", "system", "raw", "options temperature/top_p/"
+                            "top_k/num_predict/stop/seed", "tools", "model name or name:latest"],
+               "refuses": ["images", "format json/schema", "think", "template", "suffix",
+                           "context"]},
 }  # fmt: skip
 
 
@@ -277,6 +289,8 @@ def build_app(backend: ApiBackend) -> FastAPI:
         return await answer(request, body, chat=False)
 
     add_anthropic_routes(app, backend, parsing)  # /v1/messages
+    add_ollama_routes(app, backend, parsing)  # /api/chat, /api/generate, ...
+    add_responses_routes(app, backend, parsing, authorized, check_model)  # /v1/responses
 
     @app.get("/health")
     @app.get("/health/live")

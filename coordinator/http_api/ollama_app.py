@@ -1,0 +1,374 @@
+"""Ollama's API (`/api/chat`, `/api/generate`, `/api/tags`, `/api/show`, `/api/version`),
+for the `ollama` packages and the tools built on them. Thin, as the Anthropic adapter: a
+request becomes the OpenAI chat (or, `raw`, text) completion request it means, so that the
+same mapping, admission, events, stop trimming and cancellation serve it
+(http_api/generation.py); answers are Ollama's NDJSON lines, errors `{"error": "..."}`.
+
+Ollama's runtime options (num_ctx, num_gpu, keep_alive, ...) are ignored, as Ollama itself
+ignores options a model does not use; what would change the answer in a way this server
+cannot do (images, format, think, a custom template, context) is refused with a 400."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.http_api.api_backend import ApiBackend
+from coordinator.http_api.api_errors import ApiError, from_refusal, validation_problem
+from coordinator.http_api.body_parsing import parse_body
+from coordinator.http_api.generation import Generation, failure, finish_reason
+from coordinator.http_api.request_mapping import (
+    PARAM_FIELDS,
+    chat_prompt,
+    chat_tools,
+    completion_prompt,
+    generation_params,
+)
+from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest
+from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
+from coordinator.service.admission import Refused
+
+# The Ollama server version whose API this follows (clients check it for features).
+OLLAMA_VERSION = "0.9.0"
+NDJSON = "application/x-ndjson"
+# OpenAI field names the shared mapping reports → this API's
+_FIELDS = {"max_tokens": "options.num_predict", "temperature": "options.temperature",
+           "top_p": "options.top_p", "top_k": "options.top_k", "stop": "options.stop",
+           "seed": "options.seed"}  # fmt: skip
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Options(_Body):
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=0)
+    num_predict: int | None = None  # -1: no limit, -2: fill the context (both: the default)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+class ToolFunction(_Body):
+    name: str
+    arguments: dict[str, Any] | str = Field(default_factory=dict)
+
+
+class ToolCall(_Body):
+    function: ToolFunction
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    images: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_name: str | None = None  # a tool's result
+    thinking: str | None = None
+
+
+class _Generating(_Body):
+    model: str = Field(min_length=1)
+    stream: bool = True
+    options: Options | None = None
+    format: Any = None
+    think: Any = None
+    keep_alive: Any = None
+
+
+class ChatRequest(_Generating):
+    messages: list[Message] = Field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+
+
+class GenerateRequest(_Generating):
+    prompt: str = ""
+    system: str | None = None
+    raw: bool = False
+    template: str | None = None
+    suffix: str | None = None
+    images: list[Any] | None = None
+    context: list[int] | None = None
+
+
+class ShowRequest(_Body):
+    model: str | None = None
+    name: str | None = None  # older clients
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status)
+
+
+def _api_error(err: ApiError) -> JSONResponse:
+    message = err.message
+    if err.param in _FIELDS:
+        message = message.replace(err.param, _FIELDS[err.param])
+    return _error(err.status, message)
+
+
+def _refuse_extras(body: _Generating, images: bool) -> None:
+    if body.format:
+        raise ApiError(400, "format: structured outputs (json, a schema) are not supported")
+    if body.think not in (None, False):
+        raise ApiError(400, "think: this server's models do not support thinking")
+    if images:
+        raise ApiError(400, "images: this model reads text only")
+
+
+def _sampling(body: _Generating) -> dict[str, Any]:
+    o = body.options or Options()
+    max_tokens = o.num_predict
+    if max_tokens is not None and max_tokens < 0:
+        max_tokens = None  # Ollama's "until the end" (-1) and "fill the context" (-2)
+    elif max_tokens == 0:
+        raise ApiError(400, "options.num_predict must be at least 1 (or -1: no limit)")
+    return {"max_tokens": max_tokens, "temperature": o.temperature, "top_p": o.top_p,
+            "top_k": o.top_k, "stop": o.stop, "seed": o.seed}  # fmt: skip
+
+
+def _openai_call(call: ToolCall, i: int, j: int) -> dict[str, Any]:
+    return {
+        "id": f"call_{i}_{j}",
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": call.function.arguments},
+    }
+
+
+def chat_to_openai(body: ChatRequest) -> ChatCompletionRequest:
+    """The OpenAI chat request this /api/chat request means."""
+    _refuse_extras(body, any(m.images for m in body.messages))
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(body.messages):
+        message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = [_openai_call(c, i, j) for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool" and m.tool_name:
+            message["name"] = m.tool_name
+        messages.append(message)
+    fields = {"model": body.model, "messages": messages, **_sampling(body)}
+    if body.tools:
+        fields["tools"] = body.tools
+    return ChatCompletionRequest.model_validate(fields)
+
+
+def generate_to_openai(body: GenerateRequest, chat: bool):
+    """The OpenAI request this /api/generate request means: a chat request through the
+    model's template (`chat`), else a text completion of the prompt as it is."""
+    _refuse_extras(body, bool(body.images))
+    if body.template:
+        raise ApiError(400, "template: a custom prompt template is not supported (send raw: "
+                       "true with the prompt already formatted)")  # fmt: skip
+    if body.suffix:
+        raise ApiError(400, "suffix (fill-in-the-middle) is not supported")
+    if body.context:
+        raise ApiError(400, "context: not supported (send the conversation to /api/chat)")
+    if not chat:
+        return CompletionRequest.model_validate(
+            {"model": body.model, "prompt": body.prompt, **_sampling(body)}
+        )
+    messages = [{"role": "system", "content": body.system}] if body.system else []
+    messages.append({"role": "user", "content": body.prompt})
+    return ChatCompletionRequest.model_validate(
+        {"model": body.model, "messages": messages, **_sampling(body)}
+    )
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _line(payload: dict[str, Any]) -> str:
+    return json.dumps(payload, separators=(",", ":")) + "\n"
+
+
+def _ollama_call(call: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "function": {
+            "name": call["function"]["name"],
+            "arguments": json.loads(call["function"]["arguments"] or "{}"),
+        }
+    }
+
+
+def _stats(result: dict[str, Any], started_ns: int) -> dict[str, Any]:
+    reason = finish_reason(result)
+    return {"done": True, "done_reason": reason if reason != "abort" else "stop",
+            "total_duration": time.monotonic_ns() - started_ns, "load_duration": 0,
+            "prompt_eval_count": result["prompt_tokens"],
+            "prompt_eval_duration": int(result.get("prefill_s", 0.0) * 1e9),
+            "eval_count": len(result["tokens"]),
+            "eval_duration": int(result.get("decode_s", 0.0) * 1e9)}  # fmt: skip
+
+
+def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaphore) -> None:
+    def served(name: str | None) -> bool:
+        base = backend.model_name.removesuffix(":latest")
+        return name in (base, f"{base}:latest")
+
+    def check(request: Request, model: str | None = None) -> None:
+        authorization = request.headers.get("authorization")
+        if not backend.key_matches(authorization):
+            problem = "invalid API key" if authorization else "missing API key"
+            raise ApiError(401, f"unauthorized: {problem} (send 'Authorization: Bearer <key>')")
+        if model is not None and not served(model):
+            raise ApiError(404, f"model {model!r} not found: this server serves "
+                           f"{backend.model_name!r}")  # fmt: skip
+
+    async def read(request: Request, model_cls):
+        check(request)
+        body = await parse_body(request, model_cls, parsing)
+        check(request, getattr(body, "model", None) or getattr(body, "name", None))
+        return body
+
+    def errors_answered(handler):
+        async def wrapped(request: Request):
+            try:
+                return await handler(request)
+            except ApiError as e:
+                return _api_error(e)
+            except RequestValidationError as e:
+                return _error(400, validation_problem(e)[0])
+
+        wrapped.__name__ = handler.__name__
+        return wrapped
+
+    def details() -> dict[str, Any]:
+        family = str(getattr(getattr(backend.admission.engine, "config", None), "model_type", ""))
+        return {"parent_model": "", "format": "", "family": family,
+                "families": [family] if family else None, "parameter_size": "",
+                "quantization_level": ""}  # fmt: skip
+
+    def modified_at() -> str:
+        return datetime.fromtimestamp(backend.created, UTC).isoformat()
+
+    async def generate_answer(request: Request, body, chat: ChatCompletionRequest
+                              | CompletionRequest, kind: str):  # fmt: skip
+        started = time.monotonic_ns()
+        as_chat = isinstance(chat, ChatCompletionRequest)
+
+        def encode():
+            if as_chat:
+                prompt = chat_prompt(chat, backend.tokenizer, backend.context)
+            else:
+                prompt = completion_prompt(chat, backend.tokenizer, backend.context)
+            params = generation_params(chat, len(prompt), backend.context,
+                                       backend.default_max_tokens)  # fmt: skip
+            return prompt, params
+
+        try:
+            gen = await Generation.start(backend, request, encode)
+        except Refused as e:
+            raise from_refusal(e, "max_tokens", PARAM_FIELDS, kind) from None
+        tools = None
+        if as_chat and chat.tools_in_use():
+            tools = (backend.tokenizer.tool_calling, chat_tools(chat))
+        head = {"model": body.model, "created_at": ""}
+
+        def piece(text: str, calls: list | None = None) -> dict[str, Any]:
+            if kind == "prompt":
+                return {**head, "created_at": _now(), "response": text, "done": False}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = [_ollama_call(c) for c in calls]
+            return {**head, "created_at": _now(), "message": message, "done": False}
+
+        if body.stream:
+            return StreamingResponse(_stream(gen, piece, tools, started), media_type=NDJSON)
+        result = await gen.result()
+        if result is None:
+            return _error(499, "the client disconnected")
+        if result.get("error"):
+            raise failure(result)
+        text, calls = result["text"], []
+        if tools is not None:
+            text, calls = split_tool_calls(tools[0], text, tools[1])
+        return JSONResponse({**piece(text, calls), **_stats(result, started)})
+
+    async def _stream(gen: Generation, piece, tools, started: int):
+        splitter = ToolCallStream(*tools) if tools is not None else None
+
+        def lines(pieces):
+            for p in pieces:
+                yield _line(piece(p) if isinstance(p, str) else piece("", p))
+
+        async for p in gen.pieces():
+            if isinstance(p, str):
+                for line in lines(splitter.add(p) if splitter else [p]):
+                    yield line
+                continue
+            if p.get("error"):
+                yield _line({"error": failure(p).message})
+                return
+            for line in lines(splitter.finish() if splitter else []):
+                yield line
+            yield _line({**piece(""), **_stats(p, started)})
+
+    def loaded(body, kind: str) -> JSONResponse:
+        """Ollama's answer to an empty request: the model is loaded (it always is here)."""
+        answer = {"model": body.model, "created_at": _now(), "done": True, "done_reason": "load"}
+        if kind == "prompt":
+            answer["response"] = ""
+        else:
+            answer["message"] = {"role": "assistant", "content": ""}
+        return JSONResponse(answer)
+
+    @errors_answered
+    async def chat(request: Request):
+        body = await read(request, ChatRequest)
+        if not body.messages:
+            return loaded(body, "messages")
+        return await generate_answer(request, body, chat_to_openai(body), "messages")
+
+    @errors_answered
+    async def generate(request: Request):
+        body = await read(request, GenerateRequest)
+        if not body.prompt and not body.system:
+            return loaded(body, "prompt")
+        as_chat = not body.raw and backend.tokenizer.has_chat_template
+        return await generate_answer(request, body, generate_to_openai(body, as_chat), "prompt")
+
+    @errors_answered
+    async def tags(request: Request):
+        check(request)
+        name = backend.model_name
+        return {"models": [{"name": name, "model": name, "modified_at": modified_at(),
+                            "size": 0, "digest": hashlib.sha256(name.encode()).hexdigest(),
+                            "details": details()}]}  # fmt: skip
+
+    @errors_answered
+    async def show(request: Request):
+        body = await read(request, ShowRequest)
+        if not (body.model or body.name):
+            raise ApiError(400, "model is required")
+        family = details()["family"] or "unknown"
+        return {"modelfile": "", "parameters": "",
+                "template": getattr(backend.tokenizer._hf, "chat_template", None) or "",
+                "details": details(), "modified_at": modified_at(),
+                "model_info": {"general.architecture": family,
+                               f"{family}.context_length": backend.context},
+                "capabilities": ["completion"]
+                + (["tools"] if backend.tokenizer.tool_calling is not None else [])}  # fmt: skip
+
+    async def version():
+        return {"version": OLLAMA_VERSION}
+
+    async def running():
+        return PlainTextResponse("Ollama is running")
+
+    app.add_api_route("/api/chat", chat, methods=["POST"])
+    app.add_api_route("/api/generate", generate, methods=["POST"])
+    app.add_api_route("/api/tags", tags, methods=["GET"])
+    app.add_api_route("/api/show", show, methods=["POST"])
+    app.add_api_route("/api/version", version, methods=["GET"])
+    app.add_api_route("/", running, methods=["GET", "HEAD"])

@@ -1,0 +1,241 @@
+"""OpenAI's Responses API (`POST /v1/responses`), for `client.responses.create(...)`. Thin,
+as the other adapters: a request becomes the OpenAI chat request it means (instructions
+as the system message, input items as messages), so that the same mapping, admission,
+events, stop trimming and cancellation serve it (http_api/generation.py); the answer is a
+response object (one message item of output_text) or its stream of typed events. Errors
+keep OpenAI's shape. Nothing is stored: `store: true`, `previous_response_id` and
+`background` are refused, as are tools (for now) and structured text formats."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.http_api.api_backend import ApiBackend
+from coordinator.http_api.api_errors import ApiError, error_body, from_refusal
+from coordinator.http_api.body_parsing import parse_body
+from coordinator.http_api.generation import Generation, event_stream, failure, finish_reason
+from coordinator.http_api.request_mapping import PARAM_FIELDS, chat_prompt, generation_params
+from coordinator.http_api.schemas import ChatCompletionRequest
+from coordinator.service.admission import Refused
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Part(_Body):
+    type: str
+    text: str | None = None
+
+
+class Item(_Body):
+    type: str = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[Part] | None = None
+
+
+class ResponsesRequest(_Body):
+    model: str
+    input: str | list[Item]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    stream: bool = False
+    store: bool | None = None
+    background: bool | None = None
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+
+
+def _refused(body: ResponsesRequest) -> None:
+    if body.store:
+        raise ApiError(400, "store: responses are not stored on this server (send store: "
+                       "false, or leave it out)", "store")  # fmt: skip
+    if body.previous_response_id:
+        raise ApiError(400, "previous_response_id: nothing is stored on this server; send "
+                       "the conversation in input", "previous_response_id")  # fmt: skip
+    if body.background:
+        raise ApiError(400, "background: background responses are not supported", "background")
+    if body.tools:
+        raise ApiError(400, "tools: tools are not supported by /v1/responses yet (use "
+                       "/v1/chat/completions)", "tools")  # fmt: skip
+    fmt = (body.text or {}).get("format") or {}
+    if fmt.get("type", "text") != "text":
+        raise ApiError(400, "text.format: only the text format is supported", "text.format")
+
+
+def _content(i: int, content: str | list[Part] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for j, p in enumerate(content):
+        if p.type not in _TEXT_PARTS or p.text is None:
+            raise ApiError(400, f"input[{i}].content[{j}]: parts of type {p.type!r} are not "
+                           "supported (text only)", f"input[{i}].content[{j}].type")  # fmt: skip
+        parts.append(p.text)
+    return "".join(parts)
+
+
+def to_openai(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The OpenAI chat request this Responses request means."""
+    _refused(body)
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        messages.append({"role": "user", "content": body.input})
+    else:
+        for i, item in enumerate(body.input):
+            if item.type != "message" or item.role is None:
+                raise ApiError(400, f"input[{i}]: items of type {item.type!r} are not "
+                               "supported (messages only)", f"input[{i}].type")  # fmt: skip
+            messages.append({"role": item.role, "content": _content(i, item.content)})
+    if not messages:
+        raise ApiError(400, "input must not be empty", "input")
+    return ChatCompletionRequest.model_validate({
+        "model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
+        "temperature": body.temperature, "top_p": body.top_p})  # fmt: skip
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class _Response:
+    """One answer's ids and its response object at each stage."""
+
+    def __init__(self, body: ResponsesRequest, model: str) -> None:
+        self.body, self.model = body, model
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status,
+                "content": [part]}  # fmt: skip
+
+    def obj(self, status: str, result: dict[str, Any] | None = None) -> dict[str, Any]:
+        b = self.body
+        out: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": status, "model": self.model, "output": [], "output_text": "",
+            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+            "temperature": b.temperature, "top_p": b.top_p, "error": None,
+            "incomplete_details": None, "metadata": b.metadata or {}, "store": False,
+            "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+            "previous_response_id": None, "text": {"format": {"type": "text"}},
+            "truncation": "disabled", "usage": None}  # fmt: skip
+        if result is not None:
+            item_status = "completed" if status == "completed" else "incomplete"
+            out["output"] = [self.message(result["text"], item_status)]
+            out["output_text"] = result["text"]
+            if status == "incomplete":
+                out["incomplete_details"] = {"reason": "max_output_tokens"}
+            prompt, output = result["prompt_tokens"], len(result["tokens"])
+            out["usage"] = {"input_tokens": prompt, "output_tokens": output,
+                            "total_tokens": prompt + output,
+                            "input_tokens_details": {"cached_tokens":
+                                                     result.get("cached_tokens", 0)},
+                            "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
+        return out
+
+
+def _status(result: dict[str, Any]) -> str:
+    return "incomplete" if finish_reason(result) == "length" else "completed"
+
+
+def add_responses_routes(
+    app: FastAPI,
+    backend: ApiBackend,
+    parsing,
+    authorized: Callable,
+    check_model: Callable[[str], None],
+) -> None:
+    @app.post("/v1/responses", dependencies=[Depends(authorized)])
+    async def responses(request: Request):
+        body = await parse_body(request, ResponsesRequest, parsing)
+        check_model(body.model)
+        chat = to_openai(body)
+
+        def encode():
+            prompt = chat_prompt(chat, backend.tokenizer, backend.context)
+            params = generation_params(chat, len(prompt), backend.context,
+                                       backend.default_max_tokens)  # fmt: skip
+            return prompt, params
+
+        try:
+            gen = await Generation.start(backend, request, encode)
+        except ApiError as e:
+            raise _renamed(e) from None
+        except Refused as e:
+            raise _renamed(from_refusal(e, "max_tokens", PARAM_FIELDS, "input")) from None
+        reply = _Response(body, backend.model_name)
+        if body.stream:
+            return event_stream(_stream(gen, reply))
+        result = await gen.result()
+        if result is None:
+            return JSONResponse(error_body(499, "the client disconnected"), 499)
+        if result.get("error"):
+            raise failure(result)
+        return JSONResponse(reply.obj(_status(result), result))
+
+    async def _stream(gen: Generation, reply: _Response):
+        seq = 0
+
+        def event(kind: str, **fields) -> str:
+            nonlocal seq
+            seq += 1
+            return _sse({"type": kind, "sequence_number": seq - 1, **fields})
+
+        where = {"item_id": reply.item_id, "output_index": 0, "content_index": 0}
+        yield event("response.created", response=reply.obj("in_progress"))
+        yield event("response.in_progress", response=reply.obj("in_progress"))
+        empty = reply.message("", "in_progress")
+        yield event("response.output_item.added", output_index=0,
+                    item={**empty, "content": []})  # fmt: skip
+        yield event("response.content_part.added", **where, part=empty["content"][0])
+        async for piece in gen.pieces():
+            if isinstance(piece, str):
+                yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
+                continue
+            result = piece
+            if result.get("error"):
+                err = failure(result)
+                yield event("error", code=err.code, message=err.message, param=None)
+                failed = {**reply.obj("failed"), "error": {"code": err.code or "server_error",
+                                                           "message": err.message}}  # fmt: skip
+                yield event("response.failed", response=failed)
+                return
+            status = _status(result)
+            whole = reply.obj(status, result)
+            item = whole["output"][0]
+            yield event("response.output_text.done", **where, text=result["text"], logprobs=[])
+            yield event("response.content_part.done", **where, part=item["content"][0])
+            yield event("response.output_item.done", output_index=0, item=item)
+            yield event(f"response.{status}", response=whole)
+
+
+def _renamed(err: ApiError) -> ApiError:
+    """The shared mapping's field names → this API's."""
+    if err.param == "max_tokens":
+        err.message = err.message.replace("max_tokens", "max_output_tokens")
+        err.param = "max_output_tokens"
+    elif err.param == "messages":
+        err.message = err.message.replace("messages", "input")
+        err.param = "input"
+    return err
