@@ -74,6 +74,11 @@ class _Reply:
     def text_chunk(self, text: str) -> str:
         return self._text_prefix + json.dumps(text) + self._text_suffix
 
+    def commit_chunk(self, text: str, forwards: int, tokens: int) -> str:
+        """A text chunk that also says how many forwards committed it (stream_commits)."""
+        extra = f',"wedlm":{{"forwards":{forwards},"tokens":{tokens}}}}}\n\n'
+        return self.text_chunk(text).removesuffix("}\n\n") + extra
+
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> str:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -105,6 +110,7 @@ def _usage(result: dict[str, Any]) -> dict[str, Any]:
     usage["prompt_tokens_details"] = {"cached_tokens": result.get("cached_tokens", 0)}
     if result.get("mode"):  # beyond OpenAI's fields: the decoding that ran, and its caveat
         usage["mode"] = result["mode"]
+    usage["forwards"] = result.get("forwards", 0)  # forwards that committed its tokens
     if result.get("warning"):
         usage["warning"] = result["warning"]
     drafted = result.get("drafted_tokens", 0)
@@ -161,7 +167,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                _stream(request, job, events, reply, stops, include_usage),
+                _stream(request, job, events, reply, stops, include_usage, body.stream_commits),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -174,14 +180,21 @@ def build_app(backend: ApiBackend) -> FastAPI:
             if not job.finished:  # the client went away (or the server stops): free its KV
                 backend.admission.cancel(job)
 
-    async def _stream(request, job, events, reply, stops, include_usage) -> AsyncIterator[str]:
+    async def _stream(
+        request, job, events, reply, stops, include_usage, commits=False
+    ) -> AsyncIterator[str]:
         trimmer = StopText(stops)
+        forwards = tokens = 0  # committed since the last chunk (stream_commits)
         try:
             if reply.chat:
                 yield reply.chunk(None, role=True)
-            while (event := await events.next(request)) is not None:
+            while (event := await events.next(request, merge=not commits)) is not None:
                 if event[0] == "tokens":
-                    if text := trimmer.add(event[2]):
+                    forwards, tokens = forwards + event[3], tokens + len(event[1])
+                    if (text := trimmer.add(event[2])) and commits:
+                        yield reply.commit_chunk(text, forwards, tokens)
+                        forwards = tokens = 0
+                    elif text:
                         yield reply.text_chunk(text)
                     continue
                 result = event[1]
@@ -191,7 +204,8 @@ def build_app(backend: ApiBackend) -> FastAPI:
                                           kind=failure.kind))  # fmt: skip
                 else:
                     if tail := trimmer.finish():
-                        yield reply.text_chunk(tail)
+                        tail_chunk = reply.commit_chunk(tail, forwards, tokens)
+                        yield tail_chunk if commits else reply.text_chunk(tail)
                     reason = FINISH_REASONS.get(result["finish_reason"] or "", "abort")
                     yield reply.chunk(None, finish=reason)
                     if include_usage:
