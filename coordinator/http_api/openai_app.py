@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from coordinator.console.console_routes import add_console
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import (
     ApiError,
@@ -249,6 +250,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
         body = generate_latest(backend.metrics.registry)
         return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
+    add_console(app, backend, authorized)  # the web console: `/` and /console/...
     return app
 
 
