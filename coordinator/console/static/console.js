@@ -225,7 +225,9 @@ function renderMembers(snap) {
         el("div", { style: `width: ${used.toFixed(1)}%` }))),
     ),
     m.role === "worker" && m.state !== "refused" ? el("div", { class: "timing" },
-      el("span", { text: `compute ${last(m.compute_ms)} ms · hop ${last(m.hop_ms)} ms` })) : null,
+      el("span", { text: `last step: compute ${last(m.compute_ms)} ms · hop ${last(m.hop_ms)} ms` })) : null,
+    m.role === "coordinator" ? el("div", { class: "timing" },
+      el("span", { text: "in-process stage: embedding, its layers, head and sampling" })) : null,
     m.role === "worker" && m.compute_ms.length ? timingPlot(m) : null,
     m.detail ? el("p", { class: "detail", text: m.detail }) : null);
   });
@@ -258,9 +260,11 @@ function timingPlot(m) {
 function plot(target, times, series, snap) {
   const box = $(target);
   box.replaceChildren();
+  // the last 5 minutes, or since the first sample (at least a minute) when that is shorter
   const now = snap.time;
-  const t0 = now - 300;
-  const x = (t) => ((t - t0) / 300) * 300;
+  const span = Math.min(300, Math.max(60, times.length ? now - times[0] : 60));
+  const t0 = now - span;
+  const x = (t) => ((t - t0) / span) * 300;
   let top = 0;
   for (const s of series) for (const v of s.values) if (v !== null && v > top) top = v;
   top = top > 0 ? top * 1.15 : 1;
