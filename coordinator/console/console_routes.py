@@ -42,6 +42,8 @@ def add_console(app: FastAPI, backend: ApiBackend, authorized: Callable[..., Any
     async def events(request: Request) -> StreamingResponse:
         async def stream() -> AsyncIterator[str]:
             while not await request.is_disconnected():
+                if getattr(request.app.state, "closing", False):  # the server stops
+                    return
                 body = json.dumps(await run_in_threadpool(state.snapshot), separators=(",", ":"))
                 yield f"event: snapshot\ndata: {body}\n\n"
                 await asyncio.sleep(PERIOD_S)

@@ -152,7 +152,7 @@ class ConsoleState:
             "memory_total": int(me.get("memory_total", 0)),
             "memory_used": int(me.get("memory_total", 0)) - int(me.get("memory_available", 0)),
             "layers": _layers(status.get("local_layers", "")),
-            "state": status.get("state", "") if status.get("state") != "serving" else "serving",
+            "state": status.get("state", ""),  # serving, recovering, waiting-for-workers…
             "detail": "",
             "compute_ms": [],
             "hop_ms": [],
@@ -195,6 +195,8 @@ class ConsoleState:
             if not info and member_id in self.known:  # unreachable: keep what we knew
                 old = self.known[member_id]
                 card.update({k: old[k] for k in ("name", "device", "memory_total")})
+            if card["state"] == "lost":
+                card["memory_used"] = None  # unknown now
             if member_id in seen:
                 continue
             seen.add(member_id)
@@ -207,6 +209,7 @@ class ConsoleState:
                 del self.known[member_id]
                 continue
             self._remember({**old, "state": "lost", "layers": None, "compute_ms": [],
+                            "memory_used": None,
                             "hop_ms": [], "detail": old.get("detail") or
                             "no longer answers (left the plan)"}, now)  # fmt: skip
             cards.append(self.known[member_id])

@@ -144,8 +144,10 @@ const fmt = (v, digits = 1) => (v === null || v === undefined ? "–" : Number(v
 function render(snap) {
   state.snapshot = snap;
   $("model").textContent = `${snap.model} · ${snap.num_layers} layers`;
-  $("state").textContent = snap.state + (snap.waiting_for ? `: ${snap.waiting_for}` : "");
+  $("state").textContent = snap.state;
   $("state").className = `badge ${snap.state}`;
+  $("notice").hidden = !snap.waiting_for;
+  $("notice").textContent = snap.waiting_for ? `waiting for: ${snap.waiting_for}` : "";
   fillModes(snap);
   renderSummary(snap);
   renderLayers(snap);
@@ -203,7 +205,7 @@ function stateText(m) {
 function renderMembers(snap) {
   const cards = snap.members.map((m) => {
     const color = colorOf(m.id);
-    const used = m.memory_total ? (100 * m.memory_used) / m.memory_total : 0;
+    const used = m.memory_total && m.memory_used !== null ? (100 * m.memory_used) / m.memory_total : 0;
     const layers = m.layers ? `${m.layers[0]}–${m.layers[1]}` : "–";
     const stage = m.stage !== undefined ? `${m.stage + 1} of ${snap.layers.length}` : "–";
     const last = (xs) => (xs.length ? xs[xs.length - 1].toFixed(2) : "–");
@@ -219,7 +221,8 @@ function renderMembers(snap) {
       el("dt", { text: "stage" }), el("dd", { text: stage }),
       el("dt", { text: "layers" }), el("dd", { text: layers }),
       el("dt", { text: "memory" }), el("dd", {},
-        m.memory_total ? `${gib(m.memory_used)} / ${gib(m.memory_total)} GiB` : "–",
+        !m.memory_total ? "–" : m.memory_used === null ? `? / ${gib(m.memory_total)} GiB`
+          : `${gib(m.memory_used)} / ${gib(m.memory_total)} GiB`,
         el("div", { class: "mem", role: "meter", "aria-valuemin": 0, "aria-valuemax": 100,
           "aria-valuenow": used.toFixed(0), "aria-label": "memory used" },
         el("div", { style: `width: ${used.toFixed(1)}%` }))),
