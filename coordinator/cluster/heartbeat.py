@@ -34,7 +34,7 @@ class Heartbeat(threading.Thread):
                 continue
             for link in pipeline.links:
                 try:
-                    link.info(timeout=self.timeout_s)
+                    link.latest_info = link.info(timeout=self.timeout_s)
                     self._missed[link.address] = 0
                 except WorkerCallError as e:
                     n = self._missed.get(link.address, 0) + 1

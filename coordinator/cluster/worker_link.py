@@ -70,6 +70,7 @@ class WorkerLink:
         self.channel = open_channel(address, tls, CHANNEL_OPTIONS)
         self.stub = pb_grpc.WorkerStub(self.channel)
         self.stats = HopStats()
+        self.latest_info: pb.WorkerInfo | None = None  # the last heartbeat's answer (memory now)
         self._outbox: queue.Queue | None = None
         self._stream = None
         self._replies: queue.Queue = queue.Queue()

@@ -25,6 +25,18 @@ from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 Encode = Callable[[], tuple[list[int], GenerationParams]]
 
 
+class CommitText(str):
+    """Text of committed tokens, with the forwards (commits) and tokens it carries."""
+
+    forwards: int
+    tokens: int
+
+    def __new__(cls, text: str, forwards: int, tokens: int) -> CommitText:
+        piece = super().__new__(cls, text)
+        piece.forwards, piece.tokens = forwards, tokens
+        return piece
+
+
 class Generation:
     def __init__(self, backend: ApiBackend, request: Request, job: Job, events: JobEvents):
         self.backend, self.request, self.job, self.events = backend, request, job, events
@@ -52,21 +64,25 @@ class Generation:
         if not self.job.finished:  # the client went away (or the server stops): free its KV
             self.backend.admission.cancel(self.job)
 
-    async def pieces(self) -> AsyncIterator[str | dict[str, Any]]:
-        """The answer's text as it commits (stop strings left out), then the final result
-        record (its "text" trimmed the same way). Ends without a result when the client
-        disconnected; the job is cancelled then."""
+    async def pieces(self, merge: bool = True) -> AsyncIterator[str | dict[str, Any]]:
+        """The answer's text as it commits (stop strings left out; CommitText pieces,
+        each one commit when not `merge`d), then the final result record (its "text"
+        trimmed the same way). Ends without a result when the client disconnected; the
+        job is cancelled then."""
         trimmer = StopText(self.stops)
+        forwards = tokens = 0  # committed since the last piece
         try:
-            while (event := await self.events.next(self.request)) is not None:
+            while (event := await self.events.next(self.request, merge)) is not None:
                 if event[0] == "tokens":
+                    forwards, tokens = forwards + event[3], tokens + len(event[1])
                     if text := trimmer.add(event[2]):
-                        yield text
+                        yield CommitText(text, forwards, tokens)
+                        forwards = tokens = 0
                     continue
                 result = event[1]
                 if not result.get("error"):
                     if tail := trimmer.finish():
-                        yield tail
+                        yield CommitText(tail, forwards, tokens)
                     result = self._trimmed(result)
                 yield result
                 return

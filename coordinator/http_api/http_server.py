@@ -30,8 +30,9 @@ class HttpServer:
         self.socket.listen(2048)
         self.host = host
         self.port = self.socket.getsockname()[1]
+        self.app = build_app(backend)
         config = uvicorn.Config(
-            build_app(backend),
+            self.app,
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=5,
@@ -49,6 +50,7 @@ class HttpServer:
         self.thread.start()
 
     def stop(self, timeout_s: float = 6.0) -> None:
+        self.app.state.closing = True  # endless streams (the console's events) end now
         self.server.should_exit = True
         self.thread.join(timeout_s)
         self.socket.close()

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.http_api.api_backend import ApiBackend
@@ -363,12 +363,10 @@ def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaph
     async def version():
         return {"version": OLLAMA_VERSION}
 
-    async def running():
-        return PlainTextResponse("Ollama is running")
-
     app.add_api_route("/api/chat", chat, methods=["POST"])
     app.add_api_route("/api/generate", generate, methods=["POST"])
     app.add_api_route("/api/tags", tags, methods=["GET"])
     app.add_api_route("/api/show", show, methods=["POST"])
     app.add_api_route("/api/version", version, methods=["GET"])
-    app.add_api_route("/", running, methods=["GET", "HEAD"])
+    # Ollama answers "Ollama is running" at "/": here "/" is the web console, and
+    # clients find the API by /api/version and /api/tags.

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from coordinator.console.console_routes import add_console
 from coordinator.http_api.anthropic_app import add_anthropic_routes
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import (
@@ -29,7 +30,13 @@ from coordinator.http_api.api_errors import (
 )
 from coordinator.http_api.body_limit import LimitBody
 from coordinator.http_api.body_parsing import PARSING_AT_ONCE, parse_body
-from coordinator.http_api.generation import Generation, event_stream, failure, finish_reason
+from coordinator.http_api.generation import (
+    CommitText,
+    Generation,
+    event_stream,
+    failure,
+    finish_reason,
+)
 from coordinator.http_api.ollama_app import add_ollama_routes
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
@@ -106,6 +113,11 @@ class _Reply:
     def text_chunk(self, text: str) -> str:
         return self._text_prefix + json.dumps(text) + self._text_suffix
 
+    def commit_chunk(self, text: str, forwards: int, tokens: int) -> str:
+        """A text chunk that also says how many forwards committed it (stream_commits)."""
+        extra = f',"wedlm":{{"forwards":{forwards},"tokens":{tokens}}}}}\n\n'
+        return self.text_chunk(text).removesuffix("}\n\n") + extra
+
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> str:
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -152,6 +164,7 @@ def _usage(result: dict[str, Any]) -> dict[str, Any]:
     usage["prompt_tokens_details"] = {"cached_tokens": result.get("cached_tokens", 0)}
     if result.get("mode"):  # beyond OpenAI's fields: the decoding that ran, and its caveat
         usage["mode"] = result["mode"]
+    usage["forwards"] = result.get("forwards", 0)  # forwards that committed its tokens
     if result.get("warning"):
         usage["warning"] = result["warning"]
     drafted = result.get("drafted_tokens", 0)
@@ -219,7 +232,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
             tools = (backend.tokenizer.tool_calling, chat_tools(body))  # type: ignore[arg-type]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return event_stream(_stream(gen, reply, include_usage, tools))
+            return event_stream(_stream(gen, reply, include_usage, tools, body.stream_commits))
         result = await gen.result()
         if result is None:
             return JSONResponse(error_body(499, "the client disconnected"), 499)
@@ -233,7 +246,9 @@ def build_app(backend: ApiBackend) -> FastAPI:
             reason = "tool_calls"
         return JSONResponse(reply.whole(text, reason, _usage(result), calls))
 
-    async def _stream(gen: Generation, reply: _Reply, include_usage: bool, tools):
+    async def _stream(gen: Generation, reply: _Reply, include_usage: bool, tools, commits: bool):
+        """`commits` (stream_commits): a chunk per commit, saying how many forwards and
+        tokens it carries (the console groups the tokens of one forward)."""
         calls = ToolCallStream(*tools) if tools is not None else None
 
         def chunks(pieces):  # text, or the calls of one completed tool call
@@ -242,9 +257,11 @@ def build_app(backend: ApiBackend) -> FastAPI:
 
         if reply.chat:
             yield reply.chunk(None, role=True)
-        async for piece in gen.pieces():
+        async for piece in gen.pieces(merge=not commits):
             if isinstance(piece, str):
-                if calls is None:
+                if calls is None and isinstance(piece, CommitText) and commits:
+                    yield reply.commit_chunk(piece, piece.forwards, piece.tokens)
+                elif calls is None:
                     yield reply.text_chunk(piece)
                 else:
                     for chunk in chunks(calls.add(piece)):
@@ -308,6 +325,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
         body = generate_latest(backend.metrics.registry)
         return PlainTextResponse(body, media_type=CONTENT_TYPE_LATEST)
 
+    add_console(app, backend, authorized)  # the web console: `/` and /console/...
     return app
 
 

@@ -85,6 +85,9 @@ class GenerationFields(_Body):
     penalty: float | None = Field(default=None, allow_inf_nan=False)
     top_k: int | None = None
     stop_token_ids: list[int] | None = None
+    # streamed chunks say how many forwards committed their tokens ("wedlm": {"forwards": n,
+    # "tokens": k}); waiting commits are then not merged into one chunk
+    stream_commits: bool = False
 
     def limit(self) -> int | None:
         return self.max_tokens

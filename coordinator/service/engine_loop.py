@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -74,6 +75,8 @@ class EngineLoop(threading.Thread):
         self.out_of_memory = 0  # forwards that ran out of memory
         self._budget_shrunk = False  # by an out-of-memory forward: measured again when idle
         self.recoveries: list[float] = []  # seconds each recovery took
+        # each re-plan, for the console: when it ended (epoch s), how long, and why
+        self.recovery_log: deque[dict] = deque(maxlen=64)
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics or Metrics()
@@ -81,6 +84,7 @@ class EngineLoop(threading.Thread):
         self._live: dict[int, _Live] = {}
         self._stopping = threading.Event()
         self._replan: str | None = None  # why the pipeline should be planned anew
+        self._last_replan = ""  # the reason of the re-plan asked last (recovery_log)
         self.ticks = 0
         self.last_progress = time.monotonic()
         self._cache_seen = CacheStats()  # prefix-cache counts already exported
@@ -150,12 +154,18 @@ class EngineLoop(threading.Thread):
                 break
             if self._replan is not None:
                 reason, self._replan = self._replan, None
+                self._last_replan = reason
                 log.warning("re-planning: %s", reason)
                 if not self._recover(None):
                     self._fail_running(WedlmError(f"re-planning failed ({reason})"))
             self._expire()
             if self.engine.has_work:
                 self._tick()
+            elif (broken := getattr(self.engine.pipeline, "broken", None)) is not None:
+                # idle, and the heartbeat found a stage gone: re-plan now, not at the next
+                # request (status and the console show the new plan within seconds)
+                log.warning("re-planning while idle: %s", broken)
+                self._recover(broken)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -320,6 +330,9 @@ class EngineLoop(threading.Thread):
         if self.on_replan is not None:
             self.on_replan()
         self.recoveries.append(time.monotonic() - start)
+        why = str(error) if error is not None else (self._last_replan or "re-plan")
+        self.recovery_log.append({"at": time.time(), "seconds": self.recoveries[-1],
+                                  "reason": why, "lost": error is not None})  # fmt: skip
         log.warning("recovered in %.2f s; rebuilding KV", self.recoveries[-1])
         return True
 

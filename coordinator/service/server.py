@@ -6,6 +6,7 @@ until the layers are covered, serves, and takes later workers in by re-planning.
 from __future__ import annotations
 
 import logging
+import socket
 import statistics
 import threading
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import mlx.core as mx
+import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import host_info
@@ -58,7 +60,17 @@ from coordinator.service.stage_planner import PlanSettings, StagePlanner
 
 log = logging.getLogger(__name__)
 MODEL_SOURCE = "/wedlm.v1.ModelSource/"
+# the modes a request may name, by kind of model (the console's mode selector)
+MODES_OF = {"diffusion": ("auto", "diffusion"), "causal": ("auto", "wedlm", "ar", "speculative")}
 STOP_TIMEOUT_S = 60.0  # for the engine thread's tick in progress, at stop
+
+
+def _last_ms(values, n: int = 40) -> list[float]:
+    """The last n of a deque another thread appends to, in ms."""
+    try:
+        return [round(v * 1000, 3) for v in list(values)[-n:]]
+    except RuntimeError:  # appended to mid-copy: none this time
+        return []
 
 
 def source_address(host: str, port: int) -> str:
@@ -223,6 +235,9 @@ class CoordinatorServer:
         if self.port == 0:
             raise WedlmError(f"cannot listen on {opts.host}:{opts.port}")
         self.http: HttpServer | None = None
+        # this machine, for the console (read here, on the thread that owns MLX for now)
+        self.device = host_info.device_description()
+        self.memory_total = host_info.memory()[0]
         if opts.http_port is not None:
             backend = ApiBackend(
                 self.admission,
@@ -236,6 +251,10 @@ class CoordinatorServer:
                 opts.api_key,
                 alive=self.alive,
                 cors_origins=opts.cors_origins,
+                cluster_status=self.cluster_status,
+                cluster_extras=self.console_extras,
+                num_layers=self.config.num_layers,
+                modes=MODES_OF["diffusion" if self.config.diffusion else "causal"],
             )
             self.http = HttpServer(backend, opts.host, opts.http_port)
 
@@ -516,6 +535,35 @@ class CoordinatorServer:
             for name, reason in self.browser.rejected():
                 reply.workers.add(address=name, source="bonjour", health="rejected", detail=reason)
         return reply
+
+    def console_extras(self) -> dict:
+        """What the console shows beside cluster_status (from the HTTP thread; no MLX):
+        this machine, each stage's last timings, the memory its heartbeat last reported,
+        the stage the heartbeat found gone (before the re-plan), and the re-plans."""
+        timings, memory = {}, {}
+        for e in self.entries:
+            link = e.link
+            if link is None:
+                continue
+            timings[e.address] = {"compute_ms": _last_ms(link.stats.compute_s),
+                                  "hop_ms": _last_ms(link.stats.roundtrip_s)}  # fmt: skip
+            if (info := link.latest_info) is not None:
+                memory[e.address] = (info.memory_total, info.memory_available)
+        broken = getattr(self.engine.pipeline, "broken", None)
+        available = min(psutil.virtual_memory().available, self.memory_total)
+        return {
+            "self": {
+                "name": socket.gethostname().split(".")[0],
+                "address": f"{self.opts.host}:{self.port}",
+                "device": self.device,
+                "memory_total": self.memory_total,
+                "memory_available": available,
+            },
+            "timings": timings,
+            "memory": memory,
+            "lost": getattr(broken, "address", "") if broken is not None else "",
+            "recoveries": list(self.loop.recovery_log) if self.loop is not None else [],
+        }
 
     def _prefix_cache_status(self) -> pb.PrefixCacheStatus:
         cache = self.engine.prefix_cache
