@@ -67,9 +67,12 @@ def small(server) -> float:
 
 
 @contextmanager
-def refused_quickly(server, seconds: float = 1.0) -> Iterator[None]:
+def refused_quickly(server, seconds: float = 2.5) -> Iterator[None]:
     """The block answers within `seconds`; the coordinator's RSS grows by less than 100 MB
-    meanwhile and comes back to within 10% of what it was."""
+    meanwhile and comes back to within 10% of what it was. The block includes the client
+    building and sending its tens of MB (refusals take 0.06-0.18 s on an idle 2-core
+    machine, 92 s before the limits): the bound leaves room for a loaded CI runner, it is
+    not the refusal's cost."""
     before = rss(server)
     start = time.perf_counter()
     yield
