@@ -19,12 +19,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import ApiError, from_refusal, validation_problem
 from coordinator.http_api.body_parsing import parse_body
-from coordinator.http_api.generation import Generation, event_stream, failure, finish_reason
+from coordinator.http_api.generation import (
+    Generation,
+    event_stream,
+    failure,
+    finish_reason,
+    openai_encoder,
+)
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
     chat_prompt,
     chat_tools,
-    generation_params,
 )
 from coordinator.http_api.schemas import ChatCompletionRequest
 from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
@@ -233,15 +238,8 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
             if body.thinking and body.thinking.get("type") == "enabled":
                 raise ApiError(400, "thinking: extended thinking is not supported", "thinking")
             chat = to_openai(body, body.max_tokens)
-
-            def encode():
-                prompt = chat_prompt(chat, backend.tokenizer, backend.context)
-                params = generation_params(chat, len(prompt), backend.context,
-                                           backend.default_max_tokens)  # fmt: skip
-                return prompt, params
-
             try:
-                gen = await Generation.start(backend, request, encode)
+                gen = await Generation.start(backend, request, openai_encoder(backend, chat))
             except Refused as e:
                 raise from_refusal(e, "max_tokens", PARAM_FIELDS, "messages") from None
         except ApiError as e:

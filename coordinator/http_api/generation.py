@@ -18,11 +18,28 @@ from common.generation_params import GenerationParams
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import ApiError
 from coordinator.http_api.job_events import JobEvents
+from coordinator.http_api.request_mapping import chat_prompt, completion_prompt, generation_params
+from coordinator.http_api.schemas import ChatCompletionRequest, GenerationFields
 from coordinator.http_api.stop_text import StopText, trim_at_stop
 from coordinator.service.jobs import Job
 from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 
 Encode = Callable[[], tuple[list[int], GenerationParams]]
+
+
+def openai_encoder(backend: ApiBackend, body: GenerationFields) -> Encode:
+    """The prompt ids and GenerationParams of an OpenAI request, chat or text, as every
+    API adapter maps its own request into one (run by Generation.start on a worker thread)."""
+
+    def encode() -> tuple[list[int], GenerationParams]:
+        if isinstance(body, ChatCompletionRequest):
+            prompt = chat_prompt(body, backend.tokenizer, backend.context)
+        else:
+            prompt = completion_prompt(body, backend.tokenizer, backend.context)  # type: ignore[arg-type]
+        params = generation_params(body, len(prompt), backend.context, backend.default_max_tokens)
+        return prompt, params
+
+    return encode
 
 
 class CommitText(str):

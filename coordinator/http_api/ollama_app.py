@@ -25,13 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import ApiError, from_refusal, validation_problem
 from coordinator.http_api.body_parsing import parse_body
-from coordinator.http_api.generation import Generation, failure, finish_reason
+from coordinator.http_api.generation import Generation, failure, finish_reason, openai_encoder
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
-    chat_prompt,
     chat_tools,
-    completion_prompt,
-    generation_params,
 )
 from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest
 from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
@@ -255,23 +252,12 @@ def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaph
     async def generate_answer(request: Request, body, chat: ChatCompletionRequest
                               | CompletionRequest, kind: str):  # fmt: skip
         started = time.monotonic_ns()
-        as_chat = isinstance(chat, ChatCompletionRequest)
-
-        def encode():
-            if as_chat:
-                prompt = chat_prompt(chat, backend.tokenizer, backend.context)
-            else:
-                prompt = completion_prompt(chat, backend.tokenizer, backend.context)
-            params = generation_params(chat, len(prompt), backend.context,
-                                       backend.default_max_tokens)  # fmt: skip
-            return prompt, params
-
         try:
-            gen = await Generation.start(backend, request, encode)
+            gen = await Generation.start(backend, request, openai_encoder(backend, chat))
         except Refused as e:
             raise from_refusal(e, "max_tokens", PARAM_FIELDS, kind) from None
         tools = None
-        if as_chat and chat.tools_in_use():
+        if isinstance(chat, ChatCompletionRequest) and chat.tools_in_use():
             tools = (backend.tokenizer.tool_calling, chat_tools(chat))
         head = {"model": body.model, "created_at": ""}
 

@@ -36,15 +36,13 @@ from coordinator.http_api.generation import (
     event_stream,
     failure,
     finish_reason,
+    openai_encoder,
 )
 from coordinator.http_api.ollama_app import add_ollama_routes
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
-    chat_prompt,
     chat_tools,
-    completion_prompt,
-    generation_params,
 )
 from coordinator.http_api.responses_app import add_responses_routes
 from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
@@ -210,17 +208,8 @@ def build_app(backend: ApiBackend) -> FastAPI:
     async def start(request: Request, body: GenerationFields, chat: bool) -> Generation:
         check_model(body.model)
 
-        def encode():
-            prompt = (chat_prompt if chat else completion_prompt)(
-                body, backend.tokenizer, backend.context  # type: ignore[arg-type]
-            )
-            params = generation_params(
-                body, len(prompt), backend.context, backend.default_max_tokens
-            )
-            return prompt, params
-
         try:
-            return await Generation.start(backend, request, encode)
+            return await Generation.start(backend, request, openai_encoder(backend, body))
         except Refused as e:
             raise from_refusal(e, body.limit_field(), PARAM_FIELDS, body.prompt_field()) from None
 

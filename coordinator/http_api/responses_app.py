@@ -21,8 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import ApiError, error_body, from_refusal
 from coordinator.http_api.body_parsing import parse_body
-from coordinator.http_api.generation import Generation, event_stream, failure, finish_reason
-from coordinator.http_api.request_mapping import PARAM_FIELDS, chat_prompt, generation_params
+from coordinator.http_api.generation import (
+    Generation,
+    event_stream,
+    failure,
+    finish_reason,
+    openai_encoder,
+)
+from coordinator.http_api.request_mapping import PARAM_FIELDS
 from coordinator.http_api.schemas import ChatCompletionRequest
 from coordinator.service.admission import Refused
 
@@ -171,15 +177,8 @@ def add_responses_routes(
         body = await parse_body(request, ResponsesRequest, parsing)
         check_model(body.model)
         chat = to_openai(body)
-
-        def encode():
-            prompt = chat_prompt(chat, backend.tokenizer, backend.context)
-            params = generation_params(chat, len(prompt), backend.context,
-                                       backend.default_max_tokens)  # fmt: skip
-            return prompt, params
-
         try:
-            gen = await Generation.start(backend, request, encode)
+            gen = await Generation.start(backend, request, openai_encoder(backend, chat))
         except ApiError as e:
             raise _renamed(e) from None
         except Refused as e:
