@@ -161,7 +161,7 @@ class KVRows:
     def num_rows(self) -> int:
         return len(self.lengths)
 
-    def begin(self, windows: np.ndarray) -> mx.array | str | None:
+    def begin(self, windows: np.ndarray | mx.array) -> mx.array | str | None:
         """Prepare a forward of `windows` ([rows, T, T] visibilities) at the current lengths.
 
         Returns the attention mask for mlx-lm's layers (None / "causal" when the plain
@@ -174,7 +174,10 @@ class KVRows:
         if end > self.capacity:
             self.capacity = -(-end // GROW_STEP) * GROW_STEP
         starts = self.lengths
-        causal = np.array_equal(windows, np.broadcast_to(np.tri(t, dtype=bool), windows.shape))
+        on_device = isinstance(windows, mx.array)  # never causal: a look-ahead WeDLM window
+        causal = not on_device and np.array_equal(
+            windows, np.broadcast_to(np.tri(t, dtype=bool), windows.shape)
+        )
         if rows == 1 or (starts == starts[0]).all():
             self.uniform_start = int(starts[0])
             self.write_positions = None
@@ -189,7 +192,7 @@ class KVRows:
         self.span = min(self.capacity, -(-end // SPAN_STEP) * SPAN_STEP)
         starts_mx = mx.array(starts, dtype=mx.int32)
         self._bind(starts_mx if self.uniform_start is None else mx.array(self.uniform_start))
-        return attention_mask(starts_mx, mx.array(windows), self.span)
+        return attention_mask(starts_mx, windows if on_device else mx.array(windows), self.span)
 
     def _bind(self, offset: mx.array) -> None:
         for layer in self.layers:

@@ -62,6 +62,14 @@ class KVStore:
             row = batch.seq_ids.index(seq_id)
             batch.lengths[row] = min(int(batch.lengths[row]), length)
 
+    def extend(self, seq_ids: list[int], counts: list[int]) -> None:
+        """Make `counts` more rows of each sequence permanent: rows its last forward wrote
+        past its length, kept once the forward's launcher knows how many (wedlm_ahead.py)."""
+        for sid, count in zip(seq_ids, counts, strict=True):
+            batch = self._where.get(sid)
+            if batch is not None and count:
+                batch.lengths[batch.seq_ids.index(sid)] += count
+
     def rows_for(self, seq_ids: list[int]) -> KVRows:
         first = self._where.get(seq_ids[0]) if seq_ids else None
         if first is not None and first.seq_ids == list(seq_ids):

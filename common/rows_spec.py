@@ -7,10 +7,14 @@ wire to every worker: one byte per slot, 0 mask or padding, 1 filled, 2 canvas."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.window_mask import batch_window_masks
+
+if TYPE_CHECKING:  # the spec itself travels without MLX (tensor-free wire code)
+    import mlx.core as mx
 
 
 @dataclass
@@ -33,6 +37,9 @@ class RowsSpec:
     # keep the K/V their last forward wrote). Only canvas-only rows are compacted.
     offsets: np.ndarray | None = None
     extent: np.ndarray | None = None
+    # [B, T, T] visibilities already on the device (a look-ahead WeDLM forward, whose filled
+    # slots the host does not know yet: `filled` then holds no flags). In-process only.
+    visibility: mx.array | None = None
 
     @property
     def has_canvas(self) -> bool:
@@ -59,7 +66,9 @@ class RowsSpec:
     def num_rows(self) -> int:
         return len(self.seq_ids)
 
-    def windows(self) -> np.ndarray:
+    def windows(self) -> np.ndarray | mx.array:
+        if self.visibility is not None:
+            return self.visibility
         out = batch_window_masks(
             [self.filled[b, : self.widths[b]] for b in range(self.num_rows)], self.width
         )

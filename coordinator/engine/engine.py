@@ -18,8 +18,10 @@ import numpy as np
 
 from common.errors import InvalidRequest, PromptTooLong
 from common.generation_params import MAX_FORWARD_ROWS, GenerationParams
+from common.layer_runner import select_slots
 from common.model_parts import ModelParts
-from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, row_bucket
+from common.rows_spec import RowsSpec
+from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, padded_width, row_bucket
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.row_plan import RowPlan, plan_autoregressive, plan_speculative
@@ -28,6 +30,7 @@ from coordinator.engine.scheduler import Commit, Limits, Scheduler
 from coordinator.engine.selection import entropy, select_fills
 from coordinator.engine.sequence import Phase, Sequence
 from coordinator.engine.tick_batch import TickBatch, build_batch
+from coordinator.engine.wedlm_ahead import next_inputs, visibility
 
 __all__ = ["Commit", "Engine", "Limits"]
 log = logging.getLogger(__name__)
@@ -40,10 +43,13 @@ class InFlight:
     plans: list[RowPlan]
     batch: TickBatch
     started: float
+    # A WeDLM look-ahead forward (wedlm_ahead.py): launched before its rows were known to
+    # the host; its plans are named by `_resolve_ahead`, and the pipeline returns every
+    # slot's hidden state (the head slots are taken once they are known).
+    unresolved: bool = False
 
 
 class Engine:
-
     def __init__(
         self,
         parts: ModelParts,
@@ -295,11 +301,16 @@ class Engine:
         flight = self.in_flight.popleft()
         batch_id, hidden = self.pipeline.collect()
         assert batch_id == flight.batch_id, "micro-batches complete in order"
+        if flight.unresolved:  # a look-ahead WeDLM forward returned every slot
+            rows = len(flight.plans)
+            hidden = select_slots(hidden[:rows], flight.batch.head_slots)
         fills, tokens = self._select(flight.batch, hidden)
         # Queue this step's selection before the look-ahead forward: the device runs its
         # work in order, so the sync below then waits for step t only, not for t+1.
         mx.async_eval(fills, tokens)
-        ahead = self._launch_ahead(flight, tokens)
+        ahead = self._launch_ahead(flight, tokens) or self._launch_wedlm_ahead(
+            flight, fills, tokens
+        )
         commits: list[Commit] = []
         if not ahead and len(self.in_flight) < self.micro_batches:
             # Another unit's micro-batch (a prompt chunk, another group) does not depend on
@@ -320,7 +331,68 @@ class Engine:
         self._unpin_forks(flight.plans)
         if ahead:
             self.scheduler.busy.add(flight.unit)
+            if self.in_flight[-1].unresolved:
+                self._resolve_ahead(self.in_flight[-1], commits)
         return commits
+
+    def _launch_wedlm_ahead(self, flight: InFlight, fills: mx.array, tokens: mx.array) -> bool:
+        """For a micro-batch of WeDLM decode rows, launch the next forward from this step's
+        selection before reading it back (wedlm_ahead.py): the device computes step t+1
+        while the host reads step t and postprocesses it. Only where every layer runs in
+        this process (workers take a forward's kept rows with the forward)."""
+        if not getattr(self.pipeline, "keeps_later", False) or flight.unit < 0:
+            return False
+        live = [i for i, p in enumerate(flight.plans) if not p.seq.finished]
+        plans = [flight.plans[i] for i in live]
+        if not plans or not all(_wedlm_decoding(p) for p in plans):
+            return False
+        group = {s.seq_id for s in self.scheduler.groups[flight.unit] if not s.finished}
+        if group != {p.seq.seq_id for p in plans}:
+            return False  # arrivals or departures: the next regular launch takes everyone
+        if len(self.in_flight) + 1 >= self.micro_batches and self._other_work(flight.unit):
+            return False  # the slot is owed to a prefill or another group: no starving
+        width = padded_width(2 * max(p.head_slots.size for p in plans))
+        limit = self.config.max_position_embeddings
+        if any(p.seq.kv_length + p.keep + width > limit for p in plans):
+            return False
+        started = time.perf_counter()
+        padding = self._padding_ids(flight.unit, len(plans))
+        rows = mx.array(live)
+        ids, filled = next_inputs(
+            plans, fills[rows], tokens[rows], self.config.mask_token_id, width, len(padding)
+        )
+        b = len(plans) + len(padding)
+        spec = RowsSpec(
+            seq_ids=[p.seq.seq_id for p in plans] + padding,
+            starts=np.array([p.seq.kv_length + p.keep for p in plans] + [0] * len(padding)),
+            widths=np.array([width] * len(plans) + [1] * len(padding)),
+            filled=np.zeros((b, width), dtype=bool),  # on the device only: `visibility`
+            keeps=np.zeros(b, dtype=np.int64),  # named by _resolve_ahead (pipeline.keep)
+            visibility=visibility(filled),
+        )
+        batch_id = next(self._batch_ids)
+        self.shapes.record(spec)
+        self.pipeline.submit(batch_id, spec, self.parts.embed(ids))
+        # plans of step t stand in until _resolve_ahead names this forward's own
+        self.in_flight.append(InFlight(batch_id, flight.unit, plans, None, started, True))
+        return True
+
+    def _resolve_ahead(self, flight: InFlight, commits: list[Commit]) -> None:
+        """Step t is read back and postprocessed: the look-ahead forward's rows are now
+        known. Its plans are the ones a regular launch would make now (a sequence whose
+        committing tokens end it finishes without them), its kept rows are named to the
+        pipeline, and selection will read the head slots of each plan."""
+        plans, keeps = [], []
+        for stand_in in flight.plans:
+            seq = stand_in.seq
+            plan = None if seq.finished else self.scheduler.plan_or_finish(seq, commits)
+            if plan is None:  # its row runs anyway; nothing of it is kept or read
+                plan = RowPlan(seq, stand_in.tokens[:1], stand_in.filled[:1], 0, _NONE, _NO)
+            plans.append(plan)
+            keeps.append(plan.keep)
+        self.pipeline.keep([p.seq.seq_id for p in plans], keeps)
+        flight.plans = plans
+        flight.batch = build_batch(plans)
 
     def _unpin_forks(self, plans: list[RowPlan]) -> None:
         """Every stage has run these forwards: their forks' sources may be evicted now."""
@@ -493,6 +565,16 @@ class Engine:
             for c in self.step():
                 if c.seq.seq_id in wanted:
                     yield c
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+_NO = np.zeros(0, dtype=bool)
+
+
+def _wedlm_decoding(plan: RowPlan) -> bool:
+    """A WeDLM window row (its sequence past its prompt)."""
+    seq = plan.seq
+    return seq.phase is Phase.DECODE and seq.params.mode == "wedlm" and plan.head_slots.size > 0
 
 
 def _ar_decoding(seq: Sequence) -> bool:

@@ -112,6 +112,16 @@ class StagePipeline:
         self._send_launched()
         return self.chain.collect()
 
+    @property
+    def keeps_later(self) -> bool:
+        """Whether a forward's permanent rows may be named after its launch (`keep`): every
+        layer runs in this process. Workers take the count with the forward itself."""
+        return self.chain is None
+
+    def keep(self, seq_ids: list[int], counts: list[int]) -> None:
+        """Rows the last forward of each sequence wrote past its length become permanent."""
+        self.local.store.extend(seq_ids, counts)
+
     def forward(self, spec: RowsSpec, hidden: mx.array, batch_id: int = 1 << 40) -> mx.array:
         """One micro-batch, start to finish (nothing else may be in flight)."""
         self.submit(batch_id, spec, hidden)

@@ -159,22 +159,28 @@ class Scheduler:
             return self._prefill_plans()
         plans = []
         for seq in self.groups[unit]:
-            if seq.finished:
-                continue
-            plan = self.plan(seq)
-            if plan.commits and seq.would_finish(plan.commits):
-                # The tokens that end the sequence are known: no forward is needed.
-                before = len(seq.output)
-                seq.commit(plan.commits)
-                seq.phase = Phase.FINISHED
-                commits.append(Commit(seq, seq.output[before:]))
-            elif seq.kv_length + plan.width > self.max_positions:
-                seq.finish_reason = "length"
-                seq.phase = Phase.FINISHED
-                commits.append(Commit(seq, []))
-            else:
-                plans.append(plan)
+            if not seq.finished:
+                plan = self.plan_or_finish(seq, commits)
+                if plan is not None:
+                    plans.append(plan)
         return plans
+
+    def plan_or_finish(self, seq: Sequence, commits: list[Commit]) -> RowPlan | None:
+        """`seq`'s next row plan, or None when it finishes without a forward: the tokens
+        that end it are known, or its next window would pass the context."""
+        plan = self.plan(seq)
+        if plan.commits and seq.would_finish(plan.commits):
+            before = len(seq.output)
+            seq.commit(plan.commits)
+            seq.phase = Phase.FINISHED
+            commits.append(Commit(seq, seq.output[before:]))
+            return None
+        if seq.kv_length + plan.width > self.max_positions:
+            seq.finish_reason = "length"
+            seq.phase = Phase.FINISHED
+            commits.append(Commit(seq, []))
+            return None
+        return plan
 
     def plan(self, seq: Sequence) -> RowPlan:
         """What `seq` contributes to its next forward (a decoding strategy's rule)."""

@@ -1,0 +1,233 @@
+"""Where one decode step's time goes, per mode (issue 35). Prints one JSON object and writes
+step_profile.json to --out.
+
+Part 1, the engine: greedy requests (counting prompts, C = 1 and C = 8) in AR, WeDLM (W 16,
+tau 0.6) and speculative mode with mask drafts (W 8, tau 1.5); the engine's own methods are
+wrapped with timers, so each step's wall time splits into
+  plan    scheduler.next_micro_batch (row plans, finishing checks)
+  batch   build_batch (padding the plans into arrays)
+  graph   embed + pipeline.submit (the host building the layers' lazy graph; on CUDA this
+          includes recording the kernels)
+  select  the head + selection + sampling graph (_select)
+  wait    mx.eval in _complete: the host waiting for the device (the one sync)
+  post    scheduler.postprocess (commits, stop checks, window updates)
+  reap    scheduler.reap and the rest of step()
+Inclusive times of nested calls are charged to the innermost name only.
+
+Part 2, bare forwards at the same context: T = 1, and a WeDLM window of T rows with the
+explicit (non-causal) mask and with a causal mask, each (a) serial: build + eval, and (b) the
+host's graph build alone (no eval), so device ~= serial - build where they do not overlap.
+
+  python benchmarks/step_profile.py --model ../shared/models/wedlm-smollm2-135m-r2 --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import mlx.core as mx
+import numpy as np
+
+import coordinator.engine.engine as engine_module
+from benchmarks.engine import wedlm_filled, window_forward
+from benchmarks.speculative import COUNTING
+from common.generation_params import GenerationParams
+from common.kv_rows import KVRows
+from common.window_mask import window_visibility
+from coordinator.engine.local_engine import open_local_engine
+
+now = time.perf_counter
+MODES = {
+    "ar": GenerationParams(mode="ar", max_tokens=64),
+    "wedlm": GenerationParams(mode="wedlm", window=16, threshold=0.6, max_tokens=64),
+    # WeDLM without the look-ahead (wedlm_ahead.py): every step reads back before the next
+    "wedlm_serial": GenerationParams(mode="wedlm", window=16, threshold=0.6, max_tokens=64),
+    "speculative": GenerationParams(
+        mode="speculative", draft="mask", window=8, threshold=1.5, max_tokens=64
+    ),
+}
+
+
+class Timers:
+    """Exclusive time per name: a nested timed call's time is not charged to its caller."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.stack: list[list] = []
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            frame = [name, 0.0]
+            self.stack.append(frame)
+            start = now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = now() - start
+                self.stack.pop()
+                self.total[name] += spent - frame[1]
+                if self.stack:
+                    self.stack[-1][1] += spent
+
+        return timed
+
+
+class _TimedMx:
+    """mlx.core for engine.py, with eval timed as "wait"."""
+
+    def __init__(self, timers: Timers) -> None:
+        self._eval = timers.wrap("wait", mx.eval)
+
+    def __getattr__(self, name):
+        return self._eval if name == "eval" else getattr(mx, name)
+
+
+def instrument(engine, timers: Timers) -> None:
+    s = engine.scheduler
+    s.next_micro_batch = timers.wrap("plan", s.next_micro_batch)
+    s.postprocess = timers.wrap("post", s.postprocess)
+    s.reap = timers.wrap("reap", s.reap)
+    engine.parts.embed = timers.wrap("graph", engine.parts.embed)
+    engine.pipeline.submit = timers.wrap("graph", engine.pipeline.submit)
+    engine._select = timers.wrap("select", engine._select)
+    engine_module.build_batch = timers.wrap("batch", engine_module.build_batch)
+    engine_module.mx = _TimedMx(timers)
+
+
+def run_mode(
+    local, prompts, params: GenerationParams, concurrency: int, timers: Timers, serial=False
+) -> dict:
+    engine = local.engine
+    if serial:
+        engine._launch_wedlm_ahead = lambda *args: False
+    steps: list[float] = []
+    tokens = forwards = 0
+    timers.total.clear()
+    forwards_before = engine.forwards
+    for start in range(0, len(prompts), concurrency):
+        seqs = [engine.submit(p, params) for p in prompts[start : start + concurrency]]
+        # the prefill steps are excluded: time the decode steps only
+        while any(not s.finished for s in seqs):
+            decoding = all(s.decode_started is not None or s.finished for s in seqs)
+            snapshot = dict(timers.total)
+            t0 = now()
+            engine.step()
+            dt = now() - t0
+            if decoding:
+                steps.append(dt)
+            else:  # undo this step's timers
+                timers.total.clear()
+                timers.total.update(snapshot)
+        tokens += sum(len(s.output) for s in seqs)
+        forwards += sum(s.forwards for s in seqs)
+    if serial:
+        del engine._launch_wedlm_ahead
+    n = len(steps)
+    split = {k: round(1e3 * v / n, 3) for k, v in sorted(timers.total.items())}
+    split["other"] = round(1e3 * sum(steps) / n - sum(split.values()), 3)
+    return {
+        "steps": n,
+        "engine_forwards": engine.forwards - forwards_before,
+        "step_ms_median": round(1e3 * statistics.median(steps), 3),
+        "step_ms_mean": round(1e3 * sum(steps) / n, 3),
+        "tokens_per_forward": round(tokens / forwards, 3) if forwards else None,
+        "decode_tok_s": round(tokens / sum(steps), 1),
+        "split_ms_per_step": split,
+    }
+
+
+def bare_forwards(parts, context: int, widths: list[int], repeats: int) -> dict:
+    """Serial (build + eval) and build-only ms per forward at `context` committed rows."""
+    kv = KVRows(len(parts.layers), 1)
+    rng = np.random.default_rng(0)
+    ids = lambda n: rng.integers(0, parts.config.vocab_size, (1, n)).astype(np.int32)  # noqa: E731
+    mx.eval(window_forward(parts, kv, ids(context), np.tri(context, dtype=bool)[None]))
+    kv.commit([context])
+    out: dict = {}
+    for t in widths:
+        kinds = {"causal": np.tri(t, dtype=bool)[None]}
+        if t > 1:
+            kinds["wedlm"] = window_visibility(wedlm_filled(t))[None]
+        heads = np.arange(t)[None] if t > 1 else None
+        for kind, windows in kinds.items():
+            serial, build = [], []
+            for r in range(repeats + 2):
+                tokens = ids(t)
+                t0 = now()
+                logits = window_forward(parts, kv, tokens, windows, heads)
+                t1 = now()
+                mx.eval(logits)
+                t2 = now()
+                if r >= 2:
+                    build.append(t1 - t0)
+                    serial.append(t2 - t0)
+            out[f"{kind}/T{t}"] = {
+                "serial_ms": round(1e3 * statistics.median(serial), 3),
+                "build_ms": round(1e3 * statistics.median(build), 3),
+            }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT.parent / "shared/models/wedlm-smollm2-135m-r2"))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2, help="rounds over the modes")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--bare-repeats", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    args = ap.parse_args()
+
+    for name, params in MODES.items():
+        MODES[name] = replace(params, max_tokens=args.max_tokens)
+    local = open_local_engine(args.model, num_rows=8)
+    prompts = [local.tokenizer.encode(t) for t in COUNTING[: args.prompts]]
+    timers = Timers()
+    instrument(local.engine, timers)
+    result: dict = {"model": args.model, "device": str(mx.default_device())}
+    for name, params in MODES.items():  # warm-up: every mode's shapes once
+        run_mode(local, prompts[:8], params, 8, timers, name.endswith("_serial"))
+        run_mode(local, prompts[:1], params, 1, timers, name.endswith("_serial"))
+    rounds: dict[str, list[dict]] = defaultdict(list)
+    for _ in range(args.repeats):
+        for c in args.concurrency:
+            for mode in args.modes:
+                serial = mode.endswith("_serial")
+                run = run_mode(local, prompts, MODES[mode], c, timers, serial)
+                rounds[f"{mode}/C{c}"].append(run)
+                print(f"{mode}/C{c}: {rounds[f'{mode}/C{c}'][-1]}", file=sys.stderr, flush=True)
+    engine_out = {}
+    for key, runs in rounds.items():
+        best = min(runs, key=lambda r: r["step_ms_median"])
+        engine_out[key] = best | {"step_ms_medians": [r["step_ms_median"] for r in runs]}
+    for c in args.concurrency:
+        ar = engine_out.get(f"ar/C{c}")
+        for mode in ("wedlm", "wedlm_serial", "speculative"):
+            other = engine_out.get(f"{mode}/C{c}")
+            if ar and other:
+                other["step_vs_ar"] = round(other["step_ms_median"] / ar["step_ms_median"], 3)
+                other["tok_s_vs_ar"] = round(other["decode_tok_s"] / ar["decode_tok_s"], 3)
+    result["engine"] = engine_out
+    result["bare_forwards"] = bare_forwards(
+        local.engine.parts, 64, [1, 8, 16, 24, 32], args.bare_repeats
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_profile.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
