@@ -205,9 +205,9 @@ def test_bad_draft_settings_are_refused(checkpoint_dir, engines, tmp_path):
 
 
 def test_mask_drafts_on_the_wedlm_trained_checkpoint():
-    """The WeDLM-adapted SmolLM2: mask-slot drafts give its AR output exactly and, on
-    counting, accept drafts (it commits more than one token per forward)."""
-    path = shared_model("wedlm-smollm2-135m")
+    """The WeDLM-adapted SmolLM2 (round 2): mask-slot drafts give its AR output exactly and,
+    on counting, accept drafts (it commits more than one token per forward)."""
+    path = shared_model("wedlm-smollm2-135m-r2")
     local = open_local_engine(path, num_rows=2)
     prompt = local.tokenizer.encode("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,")
     (ar,) = run_all(local, [(prompt, GenerationParams(mode="ar", max_tokens=24))])
@@ -234,3 +234,53 @@ def test_a_forward_with_no_drafts_commits_the_models_choice(engines):
     plan = plan_speculative(seq, 0, 4096, "lookup")
     assert plan.keep == 1 and plan.drafts <= 12 - 3 - 1
     assert plan.head_slots.tolist() == list(range(plan.drafts + 1))
+
+
+def test_drafts_adapt_to_their_acceptance(engines, monkeypatch):
+    """Drafts that are never accepted (a draft model that is another random model) are cut
+    to none within a few forwards, probed again now and then, and meanwhile the request
+    decodes as AR with AR's look-ahead; the output stays AR's token for token."""
+    from coordinator.engine import engine as engine_module
+    from coordinator.engine.row_plan import PROBE_EVERY
+
+    local = engines["llama"]
+    ahead = [0]
+    launch = engine_module.Engine._launch_ahead
+
+    def counted(self, flight, tokens):
+        taken = launch(self, flight, tokens)
+        ahead[0] += taken and flight.plans[0].seq.params.mode == "speculative"
+        return taken
+
+    monkeypatch.setattr(engine_module.Engine, "_launch_ahead", counted)
+    prompt = local.tokenizer.encode("xyz uvw")
+    n = 40
+    (ar,) = run_all(local, [(prompt, GenerationParams(mode="ar", max_tokens=n))])
+    params = GenerationParams(mode="speculative", draft="model", window=8, max_tokens=n)
+    (seq,) = run_all(local, [(prompt, params)])
+    assert seq.output == ar.output
+    assert seq.accepted == 0  # the random draft model agrees nowhere on this prompt
+    assert seq.draft_limit == 0
+    probes = seq.forwards // PROBE_EVERY + 1
+    assert seq.drafted <= 8 + probes  # cut to none after the first forward, then probes
+    assert ahead[0] > seq.forwards // 2  # decoding as AR, with AR's look-ahead
+
+
+def test_drafts_grow_back_when_accepted():
+    from coordinator.engine.row_plan import PROBE_EVERY, adapt_draft_limit, draft_room
+    from coordinator.engine.sequence import Sequence
+
+    seq = Sequence(0, [1], GenerationParams(mode="speculative", window=8))
+    assert draft_room(seq) == 8
+    adapt_draft_limit(seq, 8, 1)
+    assert seq.draft_limit == 1
+    adapt_draft_limit(seq, 1, 1)
+    adapt_draft_limit(seq, 2, 2)
+    assert seq.draft_limit == 4
+    adapt_draft_limit(seq, 4, 4)
+    adapt_draft_limit(seq, 8, 8)
+    assert seq.draft_limit == 8  # never past the window
+    adapt_draft_limit(seq, 8, 0)
+    assert seq.draft_limit == 0 and draft_room(seq) == 0
+    seq.forwards = PROBE_EVERY - 1  # the next forward is a probe
+    assert draft_room(seq) == 1

@@ -24,7 +24,13 @@ from common.rows_spec import RowsSpec
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, padded_width, row_bucket
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import PrefixCache
-from coordinator.engine.row_plan import RowPlan, plan_autoregressive, plan_speculative
+from coordinator.engine.row_plan import (
+    RowPlan,
+    draft_room,
+    drafts_off,
+    plan_autoregressive,
+    plan_speculative,
+)
 from coordinator.engine.sampling import greedy_tokens, sample_tokens
 from coordinator.engine.scheduler import Commit, Limits, Scheduler
 from coordinator.engine.selection import entropy, select_fills
@@ -270,7 +276,7 @@ class Engine:
         if not rows or self.drafter is None:
             return plans
         seqs = [plans[i].seq for i in rows]
-        counts = [min(s.params.window, s.params.max_tokens - len(s.output) - 1) for s in seqs]
+        counts = [min(draft_room(s), s.params.max_tokens - len(s.output) - 1) for s in seqs]
         self.drafter.propose(seqs, counts)
         limit = self.config.max_position_embeddings
         plans = list(plans)
@@ -413,7 +419,7 @@ class Engine:
         plans = [flight.plans[i] for i in live]
         if not plans or flight.unit < 0:
             return False
-        if not all(_ar_decoding(p.seq) for p in plans):
+        if not all(_ar_decoding(p.seq) or _drafting_nothing(p) for p in plans):
             return False
         group = [s for s in self.scheduler.groups[flight.unit] if not s.finished]
         running = {p.seq.seq_id for p in plans}
@@ -575,6 +581,12 @@ def _wedlm_decoding(plan: RowPlan) -> bool:
     """A WeDLM window row (its sequence past its prompt)."""
     seq = plan.seq
     return seq.phase is Phase.DECODE and seq.params.mode == "wedlm" and plan.head_slots.size > 0
+
+
+def _drafting_nothing(plan: RowPlan) -> bool:
+    """A speculative decode row whose drafts are off for now (row_plan.drafts_off)."""
+    seq = plan.seq
+    return seq.phase is Phase.DECODE and seq.params.mode == "speculative" and drafts_off(plan)
 
 
 def _ar_decoding(seq: Sequence) -> bool:

@@ -111,19 +111,21 @@ def plan_autoregressive(seq: Sequence) -> RowPlan:
 def plan_speculative(seq: Sequence, mask_token_id: int, max_positions: int, source: str) -> RowPlan:
     """The rows of one verifying forward; `source` is the resolved draft source."""
     pending = np.asarray(seq.pending(), dtype=np.int32)
-    window = seq.params.window
+    limit = draft_room(seq)
     remaining = seq.params.max_tokens - len(seq.output)
     room = max_positions - seq.kv_length - pending.size  # rows that fit in the context
     if source == "lookup":
         history = np.asarray(seq.prompt + seq.output, dtype=np.int32)
-        drafts = prompt_lookup(history, window)
+        drafts = prompt_lookup(history, limit)
     else:  # mask-slot predictions or the draft model's proposals, set beforehand
         drafts = seq.drafts
     # Drafts past the last token the request may commit can never count.
-    k = max(min(drafts.size, remaining - 1, room), 0)
+    k = max(min(drafts.size, limit, remaining - 1, room), 0)
     drafts = np.asarray(drafts[:k], dtype=np.int32)
     # Mask slots draft the next forward; it may commit up to remaining - k - 1 tokens.
-    m = max(min(window, remaining - k - 1, room - k), 0) if source == "mask" else 0
+    # slot 0 sits where the committed choice goes: `limit` drafts need limit + 1 slots
+    slots = min(limit + 1, seq.params.window) if limit else 0
+    m = max(min(slots, remaining - k - 1, room - k), 0) if source == "mask" else 0
     c = pending.size
     tokens = np.concatenate([pending, drafts, np.full(m, mask_token_id, np.int32)])
     return RowPlan(
@@ -149,6 +151,7 @@ def accept_speculative(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> 
     n = int(np.argmin(matches)) if not matches.all() else k
     seq.drafted += k
     seq.accepted += n
+    adapt_draft_limit(seq, k, n)
     masks = plan.head_slots.size - k - 1
     if n == k and masks > 1:
         # Mask slot 0 sits where the committed choice goes; slots 1.. are guesses for the
@@ -159,6 +162,44 @@ def accept_speculative(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> 
     else:
         seq.drafts = np.zeros(0, np.int32)
     return [int(t) for t in drafted[:n]] + [int(choices[n])]
+
+
+# Drafts cost rows, and a forward that verifies drafts cannot be launched before the last one
+# is read back (engine._launch_ahead), so drafts that are not accepted make a request slower
+# than AR. Each request's draft limit follows its acceptance: doubled while every draft is
+# taken, cut to what was taken when fewer than half are, and at 0 the request decodes as AR
+# (one row, the AR look-ahead) with a one-draft probe every PROBE_EVERY forwards, so text
+# that becomes predictable again gets its drafts back.
+PROBE_EVERY = 8
+
+
+def adapt_draft_limit(seq: Sequence, drafted: int, accepted: int) -> None:
+    limit = seq.params.window if seq.draft_limit is None else seq.draft_limit
+    if drafted and accepted == drafted:
+        limit = max(1, 2 * limit)
+    elif drafted and 2 * accepted < drafted:
+        limit = accepted
+    elif not drafted and seq.forwards > 1:  # nothing confident enough to draft
+        limit //= 2
+    seq.draft_limit = min(limit, seq.params.window)
+
+
+def draft_room(seq: Sequence) -> int:
+    """How many drafts (and mask slots) `seq`'s next forward may carry."""
+    limit = seq.draft_limit
+    if limit is None:
+        return seq.params.window
+    if limit == 0 and (seq.forwards + 1) % PROBE_EVERY == 0:
+        return 1
+    return limit
+
+
+def drafts_off(plan: RowPlan) -> bool:
+    """Whether a speculative row, read back but not yet postprocessed, and its next forward
+    carry one row each (no drafts, no mask slots): the request then decodes as AR, and the
+    next forward may be AR's look-ahead (engine._launch_ahead)."""
+    seq = plan.seq
+    return seq.draft_limit == 0 and plan.width == 1 and (seq.forwards + 2) % PROBE_EVERY != 0
 
 
 def plan_next(seq: Sequence, mask_token_id: int, prefill_chunk: int, max_positions: int) -> RowPlan:

@@ -38,6 +38,9 @@ class Sequence:
     # Speculative mode: the drafts its next forward verifies, and what became of drafts
     drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     drafted: int = 0  # draft tokens verified so far
+    # How many drafts its next forward may verify, adapted to its recent acceptance
+    # (row_plan.adapt_draft_limit); None: the window, until a forward has been verified.
+    draft_limit: int | None = None
     accepted: int = 0  # of which equalled the model's own choice (committed)
     forwards: int = 0  # forwards that produced tokens for this sequence
     canvas: Any = None  # diffusion mode: the canvas being denoised (diffusion/canvas.py)
