@@ -357,6 +357,8 @@ class Engine:
             return False  # arrivals or departures: the next regular launch takes everyone
         if len(self.in_flight) + 1 >= self.micro_batches and self._other_work(flight.unit):
             return False  # the slot is owed to a prefill or another group: no starving
+        if all(len(p.seq.output) + len(p.commits) >= p.seq.params.max_tokens for p in plans):
+            return False  # every row ends at this step
         width = padded_width(2 * max(p.head_slots.size for p in plans))
         limit = self.config.max_position_embeddings
         if any(p.seq.kv_length + p.keep + width > limit for p in plans):

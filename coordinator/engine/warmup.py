@@ -117,6 +117,8 @@ def _bursts(engine: Engine, buckets: list[int], window: int, wedlm: bool) -> Non
             engine.scheduler.add(seqs[-1])
         for _ in engine.stream(seqs):
             pass
+        while engine.in_flight:  # a look-ahead launched before the last rows finished
+            engine.step()
     engine.forwards = forwards  # the counters speak of real requests only
     engine.drop_padding()
 
