@@ -33,6 +33,12 @@ def _common(p: argparse.ArgumentParser, stem: str) -> None:
                    help=f"folder for {stem}.json and {stem}.png (default: ./bench-results)")
     p.add_argument("--json", action="store_true",
                    help="print the JSON object on stdout instead of the table")  # fmt: skip
+    p.set_defaults(bench_run=stem)
+
+
+def _cluster(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", metavar="HOST:PORT", required=True,
+                   help="the coordinator's gRPC address")
 
 
 def add_bench_parser(sub) -> None:
@@ -65,30 +71,27 @@ def add_bench_parser(sub) -> None:
                        default=min(4, os.cpu_count() or 1),
                        help="processes the clients are spread over")
     _common(serve, "serve")
-    serve.set_defaults(bench_run="serve")
 
     lat = cmds.add_parser("latency", help="single stream per mode: TTFT, per-token time, "
                           "tokens per forward")  # fmt: skip
-    lat.add_argument("--cluster", metavar="HOST:PORT", required=True)
+    _cluster(lat)
     lat.add_argument("--modes", nargs="+", choices=MODES, default=["ar", "wedlm", "speculative"])
     lat.add_argument("--requests", type=_positive(int), default=5, help="measured, per mode")
     lat.add_argument("--warmup", type=int, default=1, help="unmeasured requests per mode")
     lat.add_argument("--max-tokens", type=_positive(int), default=128)
     _common(lat, "latency")
-    lat.set_defaults(bench_run="latency")
 
     links = cmds.add_parser("links", help="the round trip and compute of each stage's link, "
                             "as the coordinator measures them")  # fmt: skip
-    links.add_argument("--cluster", metavar="HOST:PORT", required=True)
+    _cluster(links)
     links.add_argument("--requests", type=int, default=4,
                        help="AR requests sent first so that the cluster has forwarded (0: none)")
     links.add_argument("--max-tokens", type=_positive(int), default=32)
     _common(links, "links")
-    links.set_defaults(bench_run="links")
 
     fetch = cmds.add_parser("fetch", help="layer-fetch rate from a coordinator against a raw "
                             "copy (needs the server install)")  # fmt: skip
-    fetch.add_argument("--cluster", metavar="HOST:PORT", required=True)
+    _cluster(fetch)
     fetch.add_argument("--secret", default=os.environ.get("WEDLM_SECRET"),
                        help="the cluster secret (default: $WEDLM_SECRET)")
     fetch.add_argument("--layers", help="A-B (default: every layer)")
@@ -97,7 +100,6 @@ def add_bench_parser(sub) -> None:
     fetch.add_argument("--repeats", type=_positive(int), default=3)
     fetch.add_argument("--scratch", type=Path, help="where caches go (default: the temp dir)")
     _common(fetch, "fetch")
-    fetch.set_defaults(bench_run="fetch")
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ client."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -130,10 +131,10 @@ def openai_thread(base_url: str, model: str, req: OpenAIRequest, schedule, recs:
 
 
 def grpc_thread(address: str, params, schedule: Schedule, recs: list[Rec], first: int, step: int,
-                request=stream_request) -> None:  # fmt: skip
+                request=stream_request, prompts=PROMPTS) -> None:  # fmt: skip
     """One closed loop of gRPC requests (`request`: stream_request or wait_request)."""
     with WedlmClient(address) as client:
-        _loop(lambda k, rec: request(client, PROMPTS[k % len(PROMPTS)], params, rec),
+        _loop(lambda k, rec: request(client, prompts[k % len(prompts)], params, rec),
               schedule, recs, first, step)  # fmt: skip
 
 
@@ -164,10 +165,8 @@ THREADS = {"grpc": grpc_thread, "http": http_thread, "openai": openai_thread}
 
 def ready() -> bool:
     """Run once in each client process, before the clock starts."""
-    try:
+    with contextlib.suppress(ImportError):  # only HTTP targets need it; they say so
         import openai  # noqa: F401
-    except ImportError:  # only HTTP targets need it; they say so when they run
-        pass
     return True
 
 

@@ -8,18 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from common.generation_params import GenerationParams
+from wedlm_client.bench import report
 from wedlm_client.bench.clients import grpc_thread
 from wedlm_client.bench.records import Rec, Schedule, median, summarize
-from wedlm_client.bench.report import (
-    Progress,
-    cluster_label,
-    emit,
-    figure,
-    finish_axes,
-    header,
-    save_figure,
-    table,
-)
 
 
 def one_mode(address: str, mode: str, args) -> dict[str, Any]:
@@ -43,10 +34,10 @@ def one_mode(address: str, mode: str, args) -> dict[str, Any]:
 
 
 def run(args) -> dict[str, Any]:
-    result = header("latency", {"cluster": args.cluster, "modes": args.modes,
+    result = report.header("latency", {"cluster": args.cluster, "modes": args.modes,
                                 "requests": args.requests, "max_tokens": args.max_tokens})
-    result["cluster"] = cluster_label(args.cluster)
-    progress = Progress(len(args.modes), "latency")
+    result["cluster"] = report.cluster_label(args.cluster)
+    progress = report.Progress(len(args.modes), "latency")
     result["modes"] = {}
     for mode in args.modes:
         result["modes"][mode] = m = one_mode(args.cluster, mode, args)
@@ -56,16 +47,17 @@ def run(args) -> dict[str, Any]:
              m["tokens_per_forward_p50"], m["sent"] - m["failed"], m["failed"]]
             for mode, m in result["modes"].items()]  # fmt: skip
     cols = ["mode", "TTFT p50 ms", "TPOT p50 ms", "decode tok/s", "tok/forward", "ok", "failed"]
-    text = f"{result['cluster'].get('model', args.cluster)}: single stream\n" + table(cols, rows)
+    model = result["cluster"].get("model", args.cluster)
+    text = f"{model}: single stream\n" + report.table(cols, rows)
     result["files"] = {}
-    made = figure(2, f"wedlm bench latency: {result['cluster'].get('model', args.cluster)}")
+    made = report.figure(2, f"wedlm bench latency: {model}")
     if made is not None:
         fig, (a, b) = made
         names = [r[0] for r in rows]
         a.bar(names, [r[1] or 0 for r in rows])
         b.bar(names, [r[2] or 0 for r in rows])
-        finish_axes(a, "mode", "TTFT p50 (ms)")
-        finish_axes(b, "mode", "time per output token p50 (ms)")
-        result["files"]["png"] = save_figure(fig, args.out / "latency.png")
-    emit(result, text, args.out, "latency", args.json)
+        report.finish_axes(a, "mode", "TTFT p50 (ms)")
+        report.finish_axes(b, "mode", "time per output token p50 (ms)")
+        result["files"]["png"] = report.save_figure(fig, args.out / "latency.png")
+    report.emit(result, text, args.out, "latency", args.json)
     return result

@@ -9,18 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from common.generation_params import GenerationParams
+from wedlm_client.bench import report
 from wedlm_client.bench.clients import grpc_thread
 from wedlm_client.bench.records import Schedule
-from wedlm_client.bench.report import (
-    Progress,
-    cluster_label,
-    emit,
-    figure,
-    finish_axes,
-    header,
-    save_figure,
-    table,
-)
 from wedlm_client.client import WedlmClient
 
 NOT_MEASURED = ("pairwise round trip and bandwidth at 256 KiB and 4 MiB: the cluster does not "
@@ -45,9 +36,9 @@ def hops(address: str) -> list[dict[str, Any]]:
 
 
 def run(args) -> dict[str, Any]:
-    result = header("links", {"cluster": args.cluster, "requests": args.requests})
-    result["cluster"] = cluster_label(args.cluster)
-    progress = Progress(1 + bool(args.requests), "links")
+    result = report.header("links", {"cluster": args.cluster, "requests": args.requests})
+    result["cluster"] = report.cluster_label(args.cluster)
+    progress = report.Progress(1 + bool(args.requests), "links")
     if args.requests:
         params = GenerationParams(mode="ar", max_tokens=args.max_tokens, temperature=0.0)
         recs: list = []
@@ -59,17 +50,17 @@ def run(args) -> dict[str, Any]:
     rows = [[h["to"], h["device"][:24], h["layers"], h["roundtrip_ms"], h["compute_ms"],
              h["link_ms"]] for h in result["hops"]]  # fmt: skip
     cols = ["coordinator to", "device", "layers", "round trip ms", "compute ms", "link ms"]
-    text = table(cols, rows) if rows else "no worker holds layers: nothing crosses a link"
+    text = report.table(cols, rows) if rows else "no worker holds layers: nothing crosses a link"
     text += f"\nnot shown: {NOT_MEASURED}"
     result["files"] = {}
-    made = figure(1, f"wedlm bench links: {result['cluster'].get('cluster', args.cluster)}")
+    made = report.figure(1, f"wedlm bench links: {result['cluster'].get('cluster', args.cluster)}")
     if made is not None and rows:
         fig, (ax,) = made
         names = [r[0] for r in rows]
         ax.bar(names, [r[4] or 0 for r in rows], label="worker compute")
         ax.bar(names, [r[5] or 0 for r in rows], bottom=[r[4] or 0 for r in rows],
                label="link and transport")  # fmt: skip
-        finish_axes(ax, "stage", "median forward round trip (ms)")
-        result["files"]["png"] = save_figure(fig, args.out / "links.png")
-    emit(result, text, args.out, "links", args.json)
+        report.finish_axes(ax, "stage", "median forward round trip (ms)")
+        result["files"]["png"] = report.save_figure(fig, args.out / "links.png")
+    report.emit(result, text, args.out, "links", args.json)
     return result

@@ -5,10 +5,12 @@ measured), all starting at the same moment."""
 from __future__ import annotations
 
 from wedlm_client.bench.clients import client_part, ready
-from wedlm_client.bench.records import summarize
 from wedlm_client.bench.records import now as clock
+from wedlm_client.bench.records import summarize
 
-START_DELAY_S = 2.0  # every client process starts its schedule at the same moment
+# every client process starts its schedule at the same moment: long enough for the pool to
+# hand each its part (one process starts at once)
+START_DELAY_S = 2.0
 
 
 def client_pool(processes: int):
@@ -35,10 +37,10 @@ def level(pool, processes: int, kind: str, target: str, model: str | None, c: in
     parts = min(c, processes)
     threads = _split(c, parts)
     quotas = _split(requests, parts) if requests else [0] * parts
-    start = clock() + START_DELAY_S
+    start = clock() + (START_DELAY_S if parts > 1 else 0.0)
     futures = [
         pool.submit(client_part, kind, target, model, params, n, i, parts, start,
-                    0.0 if requests else duration, warmup, quotas[i])  # fmt: skip
+                    0.0 if requests else duration, warmup, quotas[i])
         for i, n in enumerate(threads)
     ]
     recs = [r for f in futures for r in f.result()]

@@ -112,9 +112,13 @@ def figure(ncols: int, title: str):
     return fig, list(axes[0])
 
 
-def finish_axes(ax, xlabel: str, ylabel: str, log2_x: bool = False) -> None:
-    if log2_x:
-        ax.set_xscale("log", base=2)
+def finish_axes(ax, xlabel: str, ylabel: str, xs: list[int] | None = None) -> None:
+    """Labels, a grid, a legend when there is one, y from 0; `xs` (concurrency levels): a
+    log2 x axis with a tick at each."""
+    if xs is not None:
+        if len(xs) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(xs), [str(c) for c in sorted(xs)])
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_ylim(bottom=0)

@@ -12,19 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from common.generation_params import GenerationParams
+from wedlm_client.bench import report
 from wedlm_client.bench.clients import OpenAIRequest
 from wedlm_client.bench.load import client_pool, level
 from wedlm_client.bench.records import median
-from wedlm_client.bench.report import (
-    Progress,
-    cluster_label,
-    emit,
-    figure,
-    finish_axes,
-    header,
-    save_figure,
-    table,
-)
 from wedlm_client.bench.targets import Target, openai_model, parse_target
 
 KEPT = ("tok_s", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90",
@@ -39,14 +30,14 @@ def prepare(targets: list[Target], args) -> None:
     /models (and --label-cluster's status, for our own HTTP API)."""
     for t in targets:
         if t.kind == "grpc":
-            t.label = cluster_label(t.address)
+            t.label = report.cluster_label(t.address)
             t.model = t.label.get("model")
         else:
             model, why = openai_model(t.address)
             t.model = args.model or model or "default"
             t.label = {"url": t.address, "model": t.model, **({"error": why} if why else {})}
             if args.label_cluster:
-                t.label["cluster"] = cluster_label(args.label_cluster)
+                t.label["cluster"] = report.cluster_label(args.label_cluster)
 
 
 def run_target(pool, t: Target, c: int, run_no: int, args) -> dict[str, Any]:
@@ -56,17 +47,34 @@ def run_target(pool, t: Target, c: int, run_no: int, args) -> dict[str, Any]:
     else:
         extra = None if args.mode == "auto" else {"mode": args.mode}
         kind, payload = "openai", OpenAIRequest(args.max_tokens, 0.0, extra=extra, tag=run_no)
-    stats = level(pool, args.client_processes, kind, t.address, t.model, c, payload,
-                  args.duration, args.warmup, args.requests)  # fmt: skip
+    return kept(level(pool, args.client_processes, kind, t.address, t.model, c, payload,
+                      args.duration, args.warmup, args.requests))  # fmt: skip
+
+
+def kept(stats: dict) -> dict[str, Any]:
+    """What a result keeps of a level's statistics."""
     return {k: stats[k] for k in KEPT if k in stats}
 
 
+def abab(levels: list[int], rounds: int, items: list):
+    """(C, round, order) of every run: each level `rounds` times, the order of `items`
+    reversed every round (counted over all levels), so that drift hits every item alike."""
+    turn = 0
+    for c in levels:
+        for r in range(rounds):
+            yield c, r, items if turn % 2 == 0 else items[::-1]
+            turn += 1
+
+
 def medians(rounds: list[dict], names: list[str]) -> dict[str, dict]:
+    """Per name that ran: medians over rounds, sums of the counts, rounds run."""
     out = {}
     for name in names:
-        mine = [r[name] for r in rounds if name in r]
+        if not (mine := [r[name] for r in rounds if name in r]):
+            continue
         m: dict[str, Any] = {k: median([r[k] for r in mine]) for k in MEDIANS}
         m.update({k: sum(r[k] for r in mine) for k in SUMS})
+        m["rounds"] = len(mine)
         out[name] = m
     return out
 
@@ -89,7 +97,7 @@ def run(args) -> dict[str, Any]:
     names = [t.name for t in targets]
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"target names must differ, got {names}")
-    result = header("serve", {k: (str(v) if isinstance(v, Path) else v)
+    result = report.header("serve", {k: (str(v) if isinstance(v, Path) else v)
                               for k, v in vars(args).items() if k != "func"})  # fmt: skip
     prepare(targets, args)
     result["targets"] = {t.name: {"kind": t.kind, "address": t.address, "model": t.model,
@@ -99,29 +107,28 @@ def run(args) -> dict[str, Any]:
         else "completion tokens of the requests that ended in the measured window / window"
     )
     result["levels"] = {}
-    progress = Progress(len(args.concurrency) * args.rounds * len(targets), "serve")
-    run_no = 0
+    progress = report.Progress(len(args.concurrency) * args.rounds * len(targets), "serve")
+    run_no, rounds = 0, []
     with client_pool(args.client_processes) as pool:
-        for c in args.concurrency:
-            rounds = []
-            for r in range(args.rounds):
-                order = targets if r % 2 == 0 else targets[::-1]
-                runs: dict[str, Any] = {"order": [t.name for t in order]}
-                for t in order:
-                    run_no += 1
-                    runs[t.name] = s = run_target(pool, t, c, run_no, args)
-                    progress.step(f"C={c} {t.name} round {r + 1}: {s['tok_s']} tok/s, TTFT p50 "
-                                  f"{s['ttft_ms_p50']} ms, {s['ok']} ok, {s['failed']} failed")
-                rounds.append(runs)
-            med = medians(rounds, names)
-            result["levels"][str(c)] = {"rounds": rounds, "median": med,
-                                        "compare": compare(med, names)}  # fmt: skip
+        for c, r, order in abab(args.concurrency, args.rounds, targets):
+            runs: dict[str, Any] = {"order": [t.name for t in order]}
+            for t in order:
+                run_no += 1
+                runs[t.name] = s = run_target(pool, t, c, run_no, args)
+                progress.step(f"C={c} {t.name} round {r + 1}: {s['tok_s']} tok/s, TTFT p50 "
+                              f"{s['ttft_ms_p50']} ms, {s['ok']} ok, {s['failed']} failed")
+            rounds.append(runs)
+            if r == args.rounds - 1:
+                med = medians(rounds, names)
+                result["levels"][str(c)] = {"rounds": rounds, "median": med,
+                                            "compare": compare(med, names)}  # fmt: skip
+                rounds = []
     result["files"] = {}
     if (fig := plot(result, names)) is not None:
-        result["files"]["png"] = save_figure(fig, args.out / "serve.png")
+        result["files"]["png"] = report.save_figure(fig, args.out / "serve.png")
     else:
         result["plot"] = "matplotlib is not installed (pip install 'wedlm-cluster[bench]')"
-    emit(result, text_table(result, names), args.out, "serve", args.json)
+    report.emit(result, text_table(result, names), args.out, "serve", args.json)
     return result
 
 
@@ -138,12 +145,12 @@ def text_table(result: dict, names: list[str]) -> str:
     labels = [f"{n}: {t['kind']} {t['address']} ({t['model']})"
               for n, t in result["targets"].items()]  # fmt: skip
     cols = ["C", "target", "tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "ok", "failed"]
-    return "\n".join([*labels, "(medians over rounds; ms)", table(cols, rows)])
+    return "\n".join([*labels, "(medians over rounds; ms)", report.table(cols, rows)])
 
 
 def plot(result: dict, names: list[str]):
     """tok/s and TTFT p50 against C per target: the medians as lines, each round a dot."""
-    made = figure(2, f"wedlm bench serve, max_tokens {result['args']['max_tokens']}, "
+    made = report.figure(2, f"wedlm bench serve, max_tokens {result['args']['max_tokens']}, "
                      f"{result['date']}")  # fmt: skip
     if made is None:
         return None
@@ -161,6 +168,5 @@ def plot(result: dict, names: list[str]):
             if dots:
                 ax.plot(*zip(*dots, strict=True), ".", color=f"C{i}", alpha=0.35)
     for ax, ylabel in zip(axes, ("aggregate output tok/s", "TTFT p50 (ms)"), strict=True):
-        finish_axes(ax, "concurrent streaming requests", ylabel, log2_x=len(cs) > 1)
-        ax.set_xticks(cs, [str(c) for c in cs])
+        report.finish_axes(ax, "concurrent streaming requests", ylabel, xs=cs)
     return fig
