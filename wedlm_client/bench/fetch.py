@@ -70,7 +70,9 @@ def fetch_s(source: str, identity: str, ranges: list, scratch: Path, secret: str
 
 
 def run(args) -> dict[str, Any]:
-    try:
+    try:  # the worker's fetcher and the checkpoint's files need numpy and MLX
+        import common.checkpoint_weights  # noqa: F401
+        import shard_worker.layer_fetch  # noqa: F401
         from common.layer_range import LayerRange
     except ImportError as e:
         raise WedlmError(f"bench fetch needs the server install ({e.name} is missing): "
