@@ -81,6 +81,8 @@ def test_bench_without_a_subcommand_or_with_a_bad_target_says_why(tmp_path):
     out = bench("serve", "--target", "nowhere", "--out", str(tmp_path), timeout=60)
     assert out.returncode == 1
     assert "target 'nowhere': expected http(s)://HOST:PORT" in out.stderr
+    out = bench("serve", "--target", "a=127.0.0.1:1", "--target", "a=127.0.0.1:2", timeout=60)
+    assert out.returncode == 1 and "target names must differ" in out.stderr
     out = bench("serve", "--target", "a", "--concurrency", "0", timeout=60)
     assert out.returncode == 2 and "must be > 0" in out.stderr
 

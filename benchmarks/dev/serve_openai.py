@@ -64,13 +64,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.dev.bench_io import (
-    add_loop_flags,
-    add_random_model_flags,
-    finish,
-    finish_axes,
-    save_json,
-)
+from benchmarks.dev import bench_io
 from benchmarks.dev.serve import device_name, prepare_model
 from benchmarks.dev.serve_http import OpenAIRequest, level
 from tests.cluster_harness import Proc, free_port, spawn_command
@@ -233,7 +227,7 @@ def run_all(servers: dict[str, Server], skipped: dict[str, str], args, result: d
                     skipped[name] = f"exited ({rc}) during C={c}:\n{server.tail()}"
             rounds.append(runs)
             levels[str(c)] = {"rounds": rounds}
-            save_json(result, args.out, "serve-openai.partial.json")
+            bench_io.save_json(result, args.out, "serve-openai.partial.json")
             if r == args.rounds - 1:
                 levels[str(c)].update(medians(rounds, names))
 
@@ -304,7 +298,8 @@ def plot(result: dict, path: Path) -> None:
             if dots:
                 ax.plot(*zip(*dots, strict=True), ".", color=color, alpha=0.35)
     for ax, ylabel in ((a, "aggregate output tok/s"), (b, "TTFT p50 (ms)")):
-        finish_axes(ax, "concurrent streaming requests (OpenAI /v1/completions)", ylabel, xs=cs)
+        xlabel = "concurrent streaming requests (OpenAI /v1/completions)"
+        bench_io.finish_axes(ax, xlabel, ylabel, xs=cs)
     fig.suptitle(f"{result['model']}, {result['device']}, max_tokens {result['max_tokens']}, "
                  f"{result['duration_s']} s x {result['rounds']} rounds per level",
                  fontsize=9)  # fmt: skip
@@ -314,11 +309,11 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_random_model_flags(ap)
+    bench_io.add_random_model_flags(ap)
     ap.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of " +
                     ", ".join(SERVERS))  # fmt: skip
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    add_loop_flags(ap, max_tokens=128, duration=15.0, warmup=5.0, rounds=2)
+    bench_io.add_loop_flags(ap, max_tokens=128, duration=15.0, warmup=5.0, rounds=2)
     ap.add_argument("--client-processes", type=int, default=4)
     ap.add_argument(
         "--one-at-a-time",
@@ -373,7 +368,7 @@ def main() -> None:
         result["servers"][n] = {**result["servers"].get(n, {}), "skipped": why}
     result["targets"] = targets(result["levels"])
     result["total_s"] = round(now() - t_start, 1)
-    finish(result, args.out, "serve-openai", {"serve-openai.png": plot})
+    bench_io.finish(result, args.out, "serve-openai", {"serve-openai.png": plot})
 
 
 if __name__ == "__main__":

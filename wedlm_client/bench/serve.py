@@ -7,10 +7,10 @@ port or a refusal is a failed request, never a crash); with two targets, B / A."
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
+from common.errors import WedlmError
 from common.generation_params import GenerationParams
 from wedlm_client.bench import report
 from wedlm_client.bench.clients import OpenAIRequest
@@ -96,9 +96,15 @@ def run(args) -> dict[str, Any]:
     targets = [parse_target(text, i) for i, text in enumerate(args.target)]
     names = [t.name for t in targets]
     if len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"target names must differ, got {names}")
+        raise WedlmError(f"target names must differ, got {names}")
     result = report.header("serve", {k: (str(v) if isinstance(v, Path) else v)
                               for k, v in vars(args).items() if k != "func"})  # fmt: skip
+    if any(t.kind == "openai" for t in targets):
+        try:
+            import openai  # noqa: F401
+        except ImportError:
+            raise WedlmError("HTTP targets need the openai package: "
+                             "pip install 'wedlm-cluster[bench]'") from None  # fmt: skip
     prepare(targets, args)
     result["targets"] = {t.name: {"kind": t.kind, "address": t.address, "model": t.model,
                                   "label": t.label} for t in targets}  # fmt: skip
