@@ -1,4 +1,4 @@
-"""Issue 14's benchmarks: diffusion decoding (DiffusionGemma) on a random 4-bit checkpoint of
+"""Diffusion decoding's benchmarks: (DiffusionGemma) on a random 4-bit checkpoint of
 DiffusionGemma-26B-A4B's shape (hidden 2816, 128 experts of 704, top-8, 262,144-token
 vocabulary, sliding + full attention; --layers of its 30, said in the output). Prints one
 JSON object and writes diffusion.json + diffusion.png to --out.

@@ -1,4 +1,4 @@
-"""The serving comparison over the OpenAI API (issue 25): our coordinator against
+"""The serving comparison over the OpenAI API, on servers it starts: our coordinator against
 mlx-lm's server and vllm-mlx, each a real server process on 127.0.0.1 serving the same
 checkpoint with its default flags (only what it needs to serve: model, host, port; ours
 also `--port 0 --state-dir none --no-bonjour` and a cluster name of its own).

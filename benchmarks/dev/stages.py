@@ -1,4 +1,4 @@
-"""Issue 11's benchmarks: the coordinator as a pipeline stage, stages relaying to each other,
+"""Pipeline-stage benchmarks: the coordinator as a pipeline stage, stages relaying to each other,
 and a warm start. Prints one JSON object and writes stages.json + stages.png to --out
 (stages.partial.json after every phase; a phase that fails is recorded with its error and
 the next one runs).
