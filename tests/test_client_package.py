@@ -6,6 +6,7 @@ which extra they need instead of failing on an import."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -114,3 +115,24 @@ def test_client_cli_commands(client_env, coordinator):
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert serve.returncode == 2 and "wedlm-cluster[server]" in serve.stderr
+
+
+def test_client_install_runs_wedlm_bench(client_env, coordinator, tmp_path):
+    """`wedlm bench serve` over gRPC needs neither MLX nor matplotlib (the PNG is said to be
+    missing); `fetch` names the install it needs."""
+    wedlm = str(client_env / "bin" / "wedlm")
+    env = {**os.environ, "WEDLM_API_KEY": KEY}
+    served = subprocess.run(
+        [wedlm, "bench", "serve", "--target", coordinator, "--requests", "2", "--warmup", "0",
+         "--rounds", "1", "--concurrency", "1", "--max-tokens", "4", "--client-processes", "1",
+         "--json", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert served.returncode == 0, served.stderr[-3000:]
+    result = json.loads(served.stdout)
+    run = result["levels"]["1"]["rounds"][0]["T1"]
+    assert (run["sent"], run["ok"]) == (2, 2)
+    assert "matplotlib is not installed" in result["plot"]
+    fetch = subprocess.run([wedlm, "bench", "fetch", "--cluster", coordinator],
+                           capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert fetch.returncode == 1 and "wedlm-cluster[server,bench]" in fetch.stderr

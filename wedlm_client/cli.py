@@ -1,6 +1,7 @@
 """`wedlm`: the client command line. `wedlm generate` runs a prompt on a cluster's
 coordinator (or locally on a model folder, which needs the server's install); `status`
-shows a cluster; `submit`, `job`, `wait` and `cancel` manage jobs the cluster keeps.
+shows a cluster; `submit`, `job`, `wait` and `cancel` manage jobs the cluster keeps;
+`bench` measures a cluster (wedlm_client/bench).
 Everything but `generate --model` needs only grpcio and protobuf."""
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--cluster", metavar="HOST:PORT", required=True)
     status.add_argument("--json", action="store_true")
     add_tls_flags(status)
+    from wedlm_client.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -253,6 +257,10 @@ def main(argv: Seq[str] | None = None) -> int:
             return run_status(args)
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "bench":
+            from wedlm_client.bench.cli import run_bench
+
+            return run_bench(args)
         return run_job_command(args)
     except WedlmError as e:
         print(f"wedlm: error: {e}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The serving comparison over the OpenAI API (issue 25): our coordinator against
+"""The serving comparison over the OpenAI API, on servers it starts: our coordinator against
 mlx-lm's server and vllm-mlx, each a real server process on 127.0.0.1 serving the same
 checkpoint with its default flags (only what it needs to serve: model, host, port; ours
 also `--port 0 --state-dir none --no-bonjour` and a cluster name of its own).
@@ -8,7 +8,7 @@ round, ABAB) takes a closed loop: C clients, spread over `--client-processes` pr
 each send streaming `/v1/completions` requests one after another through the official
 `openai` package (`stream_options={"include_usage": True}`, temperature 0, `--max-tokens`),
 for `--warmup` unmeasured seconds and then `--duration` measured ones. Every prompt starts
-with words of its own (benchmarks/serve_http.OpenAIRequest), so no two requests share a
+with words of its own (wedlm_client.bench.clients.OpenAIRequest), so no two requests share a
 prefix and no prefix cache makes the load trivial.
 
 Per server, level and round: tok/s (the completion tokens of every request that ended
@@ -39,10 +39,10 @@ request at a time, and by default a 503 for any request that comes while one run
 `--vllm-mlx-flags=--continuous-batching` runs its batching engine.
 
 GPU run (nvidia-h100-x1; both servers, or all three where vllm-mlx was brought along):
-  python benchmarks/serve_openai.py --model random-qwen3-8b --ckpt-dir /tmp/rq8b \\
+  python benchmarks/dev/serve_openai.py --model random-qwen3-8b --ckpt-dir /tmp/rq8b \\
       --concurrency 1 8 32 64 --duration 15 --warmup 5 --max-tokens 128 --out $OUT/d
 Smoke test (CPU, a tiny checkpoint; short requests so that some end in a short window):
-  python benchmarks/serve_openai.py --model /tmp/tinyq --concurrency 1 8 --duration 4 \\
+  python benchmarks/dev/serve_openai.py --model /tmp/tinyq --concurrency 1 8 --duration 4 \\
       --warmup 1 --rounds 1 --max-tokens 32 --out /tmp/so
 """
 
@@ -57,21 +57,21 @@ import signal
 import sys
 import time
 import urllib.request
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 
-import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve import device_name, prepare_model
-from benchmarks.serve_http import OpenAIRequest, _ready, level
-from benchmarks.serve_mlxlm import PROMPTS, now
+from benchmarks.dev import bench_io
+from benchmarks.dev.serve import device_name, prepare_model
+from benchmarks.dev.serve_http import OpenAIRequest, level
 from tests.cluster_harness import Proc, free_port, spawn_command
+from wedlm_client.bench.load import client_pool
+from wedlm_client.bench.records import PROMPTS, now
+from wedlm_client.bench.serve import abab, kept
+from wedlm_client.bench.serve import medians as server_medians
 
 SERVERS = ("ours", "mlx-lm", "vllm-mlx")
 COMPETITORS = ("mlx-lm", "vllm-mlx")
@@ -195,63 +195,41 @@ def make_servers(model: Path, args) -> tuple[dict[str, Server], dict[str, str]]:
 
 
 # ---- the runs ------------------------------------------------------------------------------
-def compact(stats: dict) -> dict:
-    return {
-        "tok_s": stats["tok_s_ended"],
-        "ttft_ms_p50": stats["ttft_ms_p50"],
-        "ttft_ms_p90": stats["ttft_ms_p90"],
-        "tpot_ms_p50": stats["tpot_ms_p50"],
-        "requests_done": stats["requests_ended"],
-        "failed": stats["errors"],
-        "failures": stats["failures"],  # measured ones, by exception type
-        **({"error_sample": stats["error_sample"]} if "error_sample" in stats else {}),
-    }
-
-
 def run_all(servers: dict[str, Server], skipped: dict[str, str], args, result: dict) -> None:
     levels = result["levels"]
     names = list(servers)
-    turn = 0  # rounds so far, over all levels: the order is reversed every round
     run_tag = 0
-    with ProcessPoolExecutor(args.client_processes, mp_context=get_context("spawn")) as pool:
-        for f in [pool.submit(_ready) for _ in range(args.client_processes)]:
-            f.result()
-        for c in args.concurrency:
-            rounds = []
-            for _ in range(args.rounds):
-                order = names if turn % 2 == 0 else names[::-1]
-                turn += 1
-                runs: dict = {"order": order}
-                for name in order:
-                    if name in skipped:
+    with client_pool(args.client_processes) as pool:
+        for c, r, order in abab(args.concurrency, args.rounds, names):
+            if r == 0:
+                rounds: list[dict] = []
+            runs: dict = {"order": order}
+            for name in order:
+                if name in skipped:
+                    continue
+                server = servers[name]
+                if args.one_at_a_time and not server.alive:
+                    for other in servers.values():
+                        other.stop()
+                    try:
+                        server.start(args.start_timeout)
+                    except RuntimeError as e:
+                        skipped[name] = str(e)
                         continue
-                    server = servers[name]
-                    if args.one_at_a_time and not server.alive:
-                        for other in servers.values():
-                            other.stop()
-                        try:
-                            server.start(args.start_timeout)
-                        except RuntimeError as e:
-                            skipped[name] = str(e)
-                            continue
-                    run_tag += 1
-                    req = OpenAIRequest(args.max_tokens, 0.0, tag=run_tag)
-                    stats = level(pool, args.client_processes, "openai", server.url,
-                                  server.model_id, c, req, args, label=name)  # fmt: skip
-                    runs[name] = compact(stats)
-                    print(f"C={c} {name}: {json.dumps(runs[name])}", file=sys.stderr, flush=True)
-                    if not server.alive:
-                        rc = server.proc.popen.wait(5)
-                        skipped[name] = f"exited ({rc}) during C={c}:\n{server.tail()}"
-                rounds.append(runs)
-                levels[str(c)] = {"rounds": rounds}
-                save(result, args, partial=True)
-            levels[str(c)].update(medians(rounds, names))
-
-
-def _median(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(float(np.median(values)), 2) if values else None
+                run_tag += 1
+                req = OpenAIRequest(args.max_tokens, 0.0, tag=run_tag)
+                stats = level(pool, args.client_processes, "openai", server.url,
+                              server.model_id, c, req, args, label=name)  # fmt: skip
+                runs[name] = kept(stats)
+                print(f"C={c} {name}: {json.dumps(runs[name])}", file=sys.stderr, flush=True)
+                if not server.alive:
+                    rc = server.proc.popen.wait(5)
+                    skipped[name] = f"exited ({rc}) during C={c}:\n{server.tail()}"
+            rounds.append(runs)
+            levels[str(c)] = {"rounds": rounds}
+            bench_io.save_json(result, args.out, "serve-openai.partial.json")
+            if r == args.rounds - 1:
+                levels[str(c)].update(medians(rounds, names))
 
 
 def _ratio(a, b) -> float | None:
@@ -260,16 +238,7 @@ def _ratio(a, b) -> float | None:
 
 def medians(rounds: list[dict], names: list[str]) -> dict:
     """Per server: medians over rounds (failed: the sum); then ours / the best competitor."""
-    out: dict = {"median": {}}
-    for name in names:
-        mine = [r[name] for r in rounds if name in r]
-        if not mine:
-            continue
-        m = {k: _median([r[k] for r in mine]) for k in
-             ("tok_s", "ttft_ms_p50", "ttft_ms_p90", "tpot_ms_p50", "requests_done")}  # fmt: skip
-        m["failed"] = sum(r["failed"] for r in mine)
-        m["rounds"] = len(mine)
-        out["median"][name] = m
+    out: dict = {"median": server_medians(rounds, names)}
     med = out["median"]
     rivals = [n for n in COMPETITORS if n in med and med[n]["tok_s"] is not None]
     if rivals and "ours" in med:
@@ -322,19 +291,15 @@ def plot(result: dict, path: Path) -> None:
             ys = [levels[str(c)]["median"][name][key] for c in xs]
             failed = sum(levels[str(c)]["median"][name]["failed"] for c in xs)
             label = f"{name} ({failed} failed requests)" if failed else name
-            ax.plot(xs, [np.nan if y is None else y for y in ys], style, color=color, label=label)
+            ys = [float("nan") if y is None else y for y in ys]
+            ax.plot(xs, ys, style, color=color, label=label)
             dots = [(int(c), r[name][key]) for c, v in levels.items() for r in v["rounds"]
                     if name in r and r[name][key] is not None]  # fmt: skip
             if dots:
                 ax.plot(*zip(*dots, strict=True), ".", color=color, alpha=0.35)
     for ax, ylabel in ((a, "aggregate output tok/s"), (b, "TTFT p50 (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(cs, [str(c) for c in cs])
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("concurrent streaming requests (OpenAI /v1/completions)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        xlabel = "concurrent streaming requests (OpenAI /v1/completions)"
+        bench_io.finish_axes(ax, xlabel, ylabel, xs=cs)
     fig.suptitle(f"{result['model']}, {result['device']}, max_tokens {result['max_tokens']}, "
                  f"{result['duration_s']} s x {result['rounds']} rounds per level",
                  fontsize=9)  # fmt: skip
@@ -342,24 +307,13 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def save(result: dict, args, partial: bool = False) -> None:
-    name = "serve-openai.partial.json" if partial else "serve-openai.json"
-    (args.out / name).write_text(json.dumps(result, indent=1))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", help="PATH, default or random-qwen3-8b")
-    ap.add_argument("--layers-override", type=int, help="random-qwen3-8b: layers (36)")
-    ap.add_argument("--hidden-override", type=int, help="random-qwen3-8b: hidden size (4096)")
-    ap.add_argument("--ckpt-dir", type=Path, help="random-qwen3-8b: where to write it")
+    bench_io.add_random_model_flags(ap)
     ap.add_argument("--servers", default=",".join(SERVERS), help="comma-separated, of " +
                     ", ".join(SERVERS))  # fmt: skip
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    ap.add_argument("--rounds", type=int, default=2, help="rounds per level (ABAB)")
-    ap.add_argument("--duration", type=float, default=15.0, help="measured seconds per run")
-    ap.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds per run")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    bench_io.add_loop_flags(ap, max_tokens=128, duration=15.0, warmup=5.0, rounds=2)
     ap.add_argument("--client-processes", type=int, default=4)
     ap.add_argument(
         "--one-at-a-time",
@@ -414,12 +368,7 @@ def main() -> None:
         result["servers"][n] = {**result["servers"].get(n, {}), "skipped": why}
     result["targets"] = targets(result["levels"])
     result["total_s"] = round(now() - t_start, 1)
-    try:
-        plot(result, args.out / "serve-openai.png")
-    except ImportError:
-        result["plot"] = "matplotlib missing"
-    save(result, args)
-    print(json.dumps(result))
+    bench_io.finish(result, args.out, "serve-openai", {"serve-openai.png": plot})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ Phases (--phases):
 Hits and misses run on the same server, side by side: a miss is exactly what the cache-off
 server does (a prompt the cache holds nothing of is prefilled from scratch).
 
-  python benchmarks/prefix_cache.py --model default --out OUT
+  python benchmarks/dev/prefix_cache.py --model default --out OUT
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import numpy as np
 
-from benchmarks.bench_cluster import Cluster
-from benchmarks.serve import prepare_model
+from benchmarks.dev.bench_cluster import Cluster
+from benchmarks.dev.bench_io import add_random_model_flags, pyplot
+from benchmarks.dev.serve import prepare_model
 from common.generation_params import GenerationParams
 from common.model_config import load_model_config
 from wedlm_client.client import WedlmClient
@@ -196,13 +197,7 @@ PHASES = {"multiturn": phase_multiturn, "shared": phase_shared}
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is missing: no plot")
+    if (plt := pyplot()) is None:
         return
     layouts = [k for k in LAYOUTS if k in result]
     if not layouts:
@@ -244,10 +239,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="default", help="a model, or random-qwen3-8b")
-    p.add_argument("--layers-override", type=int, help="random-qwen3-8b: fewer layers")
-    p.add_argument("--hidden-override", type=int, help="random-qwen3-8b: smaller hidden size")
-    p.add_argument("--ckpt-dir", type=Path, help="random-qwen3-8b: where it is written")
+    add_random_model_flags(p)
     p.add_argument("--phases", nargs="+", default=list(PHASES), choices=list(PHASES))
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))

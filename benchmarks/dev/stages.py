@@ -1,4 +1,4 @@
-"""Issue 11's benchmarks: the coordinator as a pipeline stage, stages relaying to each other,
+"""Pipeline-stage benchmarks: the coordinator as a pipeline stage, stages relaying to each other,
 and a warm start. Prints one JSON object and writes stages.json + stages.png to --out
 (stages.partial.json after every phase; a phase that fails is recorded with its error and
 the next one runs).
@@ -11,22 +11,22 @@ Phases (--phases; they run in this order):
           same process. TTFT p50 first / second (target <= 2). With --compare-no-warm-up,
           the same on a second fresh coordinator started with `--warm-up off`.
   alone   That coordinator (started now if `fresh` did not run) vs mlx-lm's BatchGenerator
-          (benchmarks/serve_mlxlm.py, a subprocess, after ours), AR, closed loop at each
+          (benchmarks/dev/serve_mlxlm.py, a subprocess, after ours), AR, closed loop at each
           --concurrency, --rounds alternated: medians of tok/s, TTFT, TPOT; ours / mlx-lm
           per C (target >= 1.0 at every C).
   single  Single stream: 3 stages (coordinator + 2 workers) vs 1 (the coordinator alone), AR
           and WeDLM, --single-repeats requests of each, interleaved: client-side time per
           output token (TPOT, medians), against single + 2 x (echo floor + 0.3 ms), with the
-          echo floor (benchmarks/grpc_floor.py) measured here at a hop's payload.
-  hops    Per relay hop, worker to worker, beyond grpcio's floor (benchmarks/relay_hops.py
+          echo floor (benchmarks/dev/grpc_floor.py) measured here at a hop's payload.
+  hops    Per relay hop, worker to worker, beyond grpcio's floor (benchmarks/dev/relay_hops.py
           says how): 16 KiB, 256 KiB and 4 MiB (targets 0.3 ms and 1 ms).
   gpus2   At --gpus2-concurrency, WeDLM and AR: the coordinator (first half of the layers,
           GPU 0) + 1 worker (second half, GPU 1 with --gpus 2) vs the coordinator alone on
           GPU 0, alternated over --rounds: aggregate tok/s ratio (target WeDLM >= 1.6).
 
-  python benchmarks/stages.py --model random-qwen3-8b --phases fresh alone single --out OUT
-  python benchmarks/stages.py --model random-qwen3-8b --gpus 2 --phases hops gpus2 --out OUT
-  python benchmarks/stages.py --replot OUT/stages.json     # only redraw the plot
+  python benchmarks/dev/stages.py --model random-qwen3-8b --phases fresh alone single --out OUT
+  python benchmarks/dev/stages.py --model random-qwen3-8b --gpus 2 --phases hops gpus2 --out OUT
+  python benchmarks/dev/stages.py --replot OUT/stages.json     # only redraw the plot
 """
 
 from __future__ import annotations
@@ -48,18 +48,19 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import grpc_floor, relay_hops
-from benchmarks.bench_cluster import Cluster
-from benchmarks.grpc_request import stream_request
-from benchmarks.serve import grpc_level, hop_timings, prepare_model, ratio, sweep
-from benchmarks.serve_mlxlm import PROMPTS, Rec, now, sweep_in_subprocess
-from benchmarks.stages_report import TARGETS, plot, summary
+from benchmarks.dev import grpc_floor, relay_hops
+from benchmarks.dev.bench_cluster import Cluster
+from benchmarks.dev.bench_io import add_random_model_flags
+from benchmarks.dev.serve import grpc_level, hop_timings, prepare_model, ratio, sweep
+from benchmarks.dev.serve_mlxlm import PROMPTS, Rec, now, sweep_in_subprocess
+from benchmarks.dev.stages_report import TARGETS, plot, summary
 from common.generation_params import GenerationParams
 from common.model_config import load_model_config
+from wedlm_client.bench.clients import stream_request
 from wedlm_client.client import WedlmClient
 
 PHASES = ("fresh", "alone", "single", "hops", "gpus2")
@@ -420,10 +421,7 @@ def save(result: dict, args, name: str) -> None:
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="random-qwen3-8b", help="PATH, default or random-qwen3-8b")
-    ap.add_argument("--layers-override", type=int, help="random-qwen3-8b: layers (36)")
-    ap.add_argument("--hidden-override", type=int, help="random-qwen3-8b: hidden size (4096)")
-    ap.add_argument("--ckpt-dir", type=Path, help="random-qwen3-8b: where to write it")
+    add_random_model_flags(ap, "random-qwen3-8b")
     ap.add_argument("--phases", nargs="+", choices=PHASES, default=["fresh", "alone", "single"])
     ap.add_argument("--gpus", type=int, default=0, help="GPUs: coordinator on 0, workers on 1..")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32], help="alone")

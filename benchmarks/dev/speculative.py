@@ -19,7 +19,7 @@ Phases (--phases):
           break-even accepted length a* = t_step / t_AR - 1 (a request gains when more than
           a* drafts per forward are accepted). --draft-layers / --draft-hidden shrink it.
 
-  python benchmarks/speculative.py --phases mask lookup draft --out OUT
+  python benchmarks/dev/speculative.py --phases mask lookup draft --out OUT
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx
 
+from benchmarks.dev.bench_io import pyplot
 from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 
@@ -224,7 +225,7 @@ def phase_mask(args) -> dict:
     local = None  # one serving process at a time: free this one's memory first
     mx.clear_cache()
     if args.stages:
-        from benchmarks.bench_cluster import Cluster
+        from benchmarks.dev.bench_cluster import Cluster
 
         cluster = Cluster(model, workers=1, max_running=8, gpus=args.gpus, local=True)
         try:
@@ -261,7 +262,7 @@ def phase_lookup(args) -> dict:
 
 
 def phase_draft(args) -> dict:
-    from benchmarks.engine import random_qwen3
+    from benchmarks.dev.engine import random_qwen3
     from coordinator.engine.draft_model import DraftModel
     from coordinator.engine.engine import Engine
     from coordinator.engine.pipeline import LocalPipeline
@@ -316,13 +317,7 @@ def phase_draft(args) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is missing: no plot")
+    if (plt := pyplot()) is None:
         return
     mask = result.get("mask", {})
     panels = [k for k in mask if "/" in k]

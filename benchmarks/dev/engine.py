@@ -2,8 +2,8 @@
 (engine AR, engine WeDLM, mlx-lm's own generate_step), on one model. Prints one JSON
 object and writes engine.json + engine.png to --out.
 
-  python benchmarks/engine.py --model default --repeats 3 --tokens 16
-  python benchmarks/engine.py --model random-qwen3-8b [--layers 2 --hidden 512]
+  python benchmarks/dev/engine.py --model default --repeats 3 --tokens 16
+  python benchmarks/dev/engine.py --model random-qwen3-8b [--layers 2 --hidden 512]
 """
 
 from __future__ import annotations
@@ -11,16 +11,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: benchmarks/
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_map_with_path
 
+from benchmarks.dev.bench_io import add_random_shape_flags, finish, suptitled
 from common.generation_params import GenerationParams
 from common.kv_rows import KVRows
 from common.layer_range import LayerRange
@@ -344,16 +347,12 @@ def plot(result: dict, path: Path) -> None:
     }
     b.bar(list(bars), list(bars.values()), color=["C0", "C1", "C2"])
     b.set(ylabel="tokens/s", title="single-stream decode (greedy)")
-    fig.suptitle(f"{result['model']} on {result['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    suptitled(fig, result, path, dpi=90)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--layers", type=int, default=36, help="random-qwen3-8b only")
-    ap.add_argument("--hidden", type=int, default=4096, help="random-qwen3-8b only")
+    add_random_shape_flags(ap)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=128)
@@ -416,13 +415,7 @@ def main() -> None:
         "wedlm_step_overhead": "<= 1.10",
         "ratio_16p": "<= 1.25",
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "engine.json").write_text(json.dumps(result, indent=1))
-    try:
-        plot(result, args.out / "engine.png")
-    except ImportError:
-        result["plot"] = "matplotlib missing"
-    print(json.dumps(result))
+    finish(result, args.out, "engine", {"engine.png": plot})
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 a cluster started from empty worker caches pays before its first token. Prints one JSON
 object and writes layer_fetch.json + layer_fetch.png to --out.
 
-  python benchmarks/layer_fetch.py                    # ~2 GB of layers (20 × 96 MB, bf16)
-  python benchmarks/layer_fetch.py --layers 4 --hidden 512 --repeats 1   # a smoke run
+  python benchmarks/dev/layer_fetch.py                    # ~2 GB of layers (20 × 96 MB, bf16)
+  python benchmarks/dev/layer_fetch.py --layers 4 --hidden 512 --repeats 1   # a smoke run
 
 (1) Throughput on loopback, medians of --repeats, side by side in one run:
     - a raw copy of the checkpoint's weight files on the same disk (shutil.copyfile);
@@ -25,75 +25,29 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the project root holds tests/ too
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cluster import write_random_qwen3
+from benchmarks.dev.cluster import write_random_qwen3
 from common.checkpoint_weights import weight_files
 from common.layer_range import LayerRange
 from common.model_config import load_model_config
 from coordinator.model_source.layer_files import LayerFiles
-from shard_worker.layer_cache import LayerCache
-from shard_worker.layer_fetch import LayerFetcher
 from tests.cluster_harness import (
     cluster_name,
     start_coordinator,
     start_fetching_worker,
     start_worker,
 )
+from wedlm_client.bench.fetch import fetch_s, raw_copy_s
 from wedlm_client.client import WedlmClient
 
 now = time.perf_counter
 SECRET = "bench-secret"
-
-
-def raw_copy_s(model: Path, scratch: Path) -> tuple[float, int]:
-    target = scratch / "copy"
-    target.mkdir()
-    nbytes = 0
-    t0 = now()
-    for f in weight_files(model):
-        shutil.copyfile(f, target / f.name)
-        nbytes += f.stat().st_size
-    elapsed = now() - t0
-    shutil.rmtree(target)
-    return elapsed, nbytes
-
-
-def fetch_s(source: str, identity: str, ranges: list[LayerRange], scratch: Path) -> float:
-    """Seconds for len(ranges) fetchers (one per range, each with its own empty cache) to
-    finish, all started together."""
-    fetchers = [
-        LayerFetcher(LayerCache(scratch / f"cache-{i}"), SECRET, None, f"bench-{i}")
-        for i in range(len(ranges))
-    ]
-    errors: list[BaseException] = []
-
-    def run(fetcher: LayerFetcher, layers: LayerRange) -> None:
-        try:
-            fetcher.fetch(source, identity, layers)
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    threads = [
-        threading.Thread(target=run, args=(f, r)) for f, r in zip(fetchers, ranges, strict=True)
-    ]
-    t0 = now()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = now() - t0
-    if errors:
-        raise errors[0]
-    for i in range(len(ranges)):
-        shutil.rmtree(scratch / f"cache-{i}")
-    return elapsed
 
 
 def throughput(model: Path, repeats: int, scratch: Path) -> dict:
@@ -108,14 +62,13 @@ def throughput(model: Path, repeats: int, scratch: Path) -> dict:
     )  # waits for workers forever; its ModelSource serves from the start
     rounds: dict[str, list[float]] = {"raw_copy": [], "fetch_1": [], "fetch_2": []}
     try:
-        fetch_s(address, config.identity, whole, scratch)  # hashes once, fills the page cache
+        fetch_s(address, config.identity, whole, scratch, SECRET)  # hashes; fills the page cache
         for _ in range(repeats):  # interleaved, so that drift hits all three alike
             s, copied = raw_copy_s(model, scratch)
             rounds["raw_copy"].append(copied / s / 1e6)
-            rounds["fetch_1"].append(layer_bytes / fetch_s(address, config.identity, whole,
-                                                           scratch) / 1e6)  # fmt: skip
-            rounds["fetch_2"].append(layer_bytes / fetch_s(address, config.identity, halves,
-                                                           scratch) / 1e6)  # fmt: skip
+            for key, ranges in (("fetch_1", whole), ("fetch_2", halves)):
+                s = fetch_s(address, config.identity, ranges, scratch, SECRET)[0]
+                rounds[key].append(layer_bytes / s / 1e6)
     finally:
         coord.stop()
     med = {k: statistics.median(v) for k, v in rounds.items()}

@@ -4,29 +4,28 @@ lengths, so every row has its own KV length), steady state, no arrivals. Isolate
 engine's batched step from the serving path (gRPC, worker hops, arriving prefills).
 Prints one JSON object and writes batch_decode.json to --out.
 
-  python benchmarks/batch_decode.py --model random-qwen3-8b --batch 1 16 32
-  python benchmarks/batch_decode.py --model default --batch 1 8 --tokens 24
+  python benchmarks/dev/batch_decode.py --model random-qwen3-8b --batch 1 16 32
+  python benchmarks/dev/batch_decode.py --model default --batch 1 8 --tokens 24
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.engine import mlx_lm_model, random_qwen3
+from benchmarks.dev.bench_io import add_random_shape_flags, finish, run_info
+from benchmarks.dev.engine import mlx_lm_model, random_qwen3
 from common import model_parts
 from common.generation_params import GenerationParams
 from common.model_parts import ModelParts, load_model_parts
@@ -120,9 +119,7 @@ def bench(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--layers", type=int, default=36, help="random-qwen3-8b only")
-    ap.add_argument("--hidden", type=int, default=4096, help="random-qwen3-8b only")
+    add_random_shape_flags(ap)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 32])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
@@ -138,18 +135,10 @@ def main() -> None:
     else:
         parts = load_model_parts(resolve_model(args.model))
         mlm, name = mlx_lm_model(parts), args.model
-    result = {
-        "model": name,
-        "device": str(mx.default_device()),
-        "mlx": mx.__version__,
-        "tokens": args.tokens,
-        "repeats": args.repeats,
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "batches": bench(parts, mlm, args.batch, args.repeats, args.tokens, args.launch_every),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "batch_decode.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    result = run_info(model=name, tokens=args.tokens, repeats=args.repeats)
+    result["batches"] = bench(parts, mlm, args.batch, args.repeats, args.tokens,
+                              args.launch_every)  # fmt: skip
+    finish(result, args.out, "batch_decode")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ registry (with `--keep-finished` K) over a tiny random model, C client threads r
 short jobs back to back; every 500 jobs the Python-traced memory (tracemalloc) and the RSS.
 Once the registry holds K finished jobs both should stay flat. Prints one JSON object.
 
-  python benchmarks/registry_memory.py --keep-finished 1000 --jobs 6000
+  python benchmarks/dev/registry_memory.py --keep-finished 1000 --jobs 6000
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

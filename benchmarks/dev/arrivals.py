@@ -1,8 +1,8 @@
 """Arrivals in one process: the engine against mlx-lm's BatchGenerator in the same closed
 loop (C sequences decoding; when one finishes the next is submitted at once, AR, greedy,
---max-tokens each), on the same weights. Unlike benchmarks/batch_decode.py (no arrivals)
+--max-tokens each), on the same weights. Unlike benchmarks/dev/batch_decode.py (no arrivals)
 this includes what arrivals cost: prefill forwards and the decode batch changing
-membership; unlike benchmarks/stages.py's `alone` phase it leaves out the serving path
+membership; unlike benchmarks/dev/stages.py's `alone` phase it leaves out the serving path
 (gRPC, jobs, detokenization), so the two together say where a serving gap comes from.
 
 Engine variants (--variants) differ in the prefill hold (coordinator/engine/scheduler.py) and
@@ -11,8 +11,9 @@ steps to share a prefill forward, a `-cache` suffix adds the prefix cache (as a 
 Variants rotate round by round (round 0 warms up); medians over the rounds. Prints one JSON
 object and writes arrivals.json to --out.
 
-  python benchmarks/arrivals.py --model random-qwen3-8b --concurrency 16 32 --variants hold0 hold4
-  python benchmarks/arrivals.py --model random-qwen3-8b --layers 2 --hidden 256 --duration 3
+  python benchmarks/dev/arrivals.py --model random-qwen3-8b --concurrency 16 32 \\
+      --variants hold0 hold4
+  python benchmarks/dev/arrivals.py --model random-qwen3-8b --layers 2 --hidden 256 --duration 3
 """
 
 from __future__ import annotations
@@ -22,19 +23,19 @@ import itertools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.engine import mlx_lm_model, random_qwen3
-from benchmarks.serve_mlxlm import Arrivals, Rec, Schedule, now, summarize
-from benchmarks.serve_mlxlm import level as mlxlm_level
+from benchmarks.dev.bench_io import add_loop_flags, add_random_shape_flags, finish, run_info
+from benchmarks.dev.engine import mlx_lm_model, random_qwen3
+from benchmarks.dev.serve_mlxlm import Arrivals, Rec, Schedule, now, summarize
+from benchmarks.dev.serve_mlxlm import level as mlxlm_level
 from common.generation_params import GenerationParams
 from common.model_parts import ModelParts, load_model_parts
 from coordinator.engine.engine import Engine, Limits
@@ -169,9 +170,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="random-qwen3-8b")
-    ap.add_argument("--layers", type=int, default=36, help="random-qwen3-8b only")
-    ap.add_argument("--hidden", type=int, default=4096, help="random-qwen3-8b only")
+    add_random_shape_flags(ap, "random-qwen3-8b")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 32])
     ap.add_argument(
         "--variants",
@@ -179,11 +178,8 @@ def main() -> None:
         default=["hold0", "hold4"],
         help="engine variants: holdN (prefill hold N steps), optionally with -cache",
     )
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--duration", type=float, default=8.0, help="measured seconds per run")
-    ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first")
+    add_loop_flags(ap, max_tokens=64, duration=8.0, warmup=3.0, rounds=2)
     ap.add_argument("--requests", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument(
         "--arrival-delay-ms",
         type=float,
@@ -205,7 +201,7 @@ def main() -> None:
         prompts = [[int(t) for t in rng.integers(1000, 20000, 8 + i % 5)] for i in range(8)]
         stops = list(parts.config.eos_token_ids)
     else:
-        from benchmarks.serve_mlxlm import PROMPTS
+        from benchmarks.dev.serve_mlxlm import PROMPTS
         from common.tokenizer import Tokenizer
 
         path = resolve_model(args.model)
@@ -214,21 +210,10 @@ def main() -> None:
         tok = Tokenizer(path)
         prompts = [tok.encode(p) for p in PROMPTS]
         stops = sorted(set(parts.config.eos_token_ids) | set(tok.stop_ids))
-    result = {
-        "model": name,
-        "device": str(mx.default_device()),
-        "mlx": mx.__version__,
-        "max_tokens": args.max_tokens,
-        "duration_s": args.duration,
-        "rounds": args.rounds,
-        "arrival_delay_ms": args.arrival_delay_ms,
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "levels": bench(parts, mlm, prompts, stops, args),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "arrivals.json").write_text(json.dumps(result, indent=1))
-    plot(result, args.out / "arrivals.png")
-    print(json.dumps(result))
+    result = run_info(model=name, max_tokens=args.max_tokens, duration_s=args.duration,
+                      rounds=args.rounds, arrival_delay_ms=args.arrival_delay_ms)  # fmt: skip
+    result["levels"] = bench(parts, mlm, prompts, stops, args)
+    finish(result, args.out, "arrivals", {"arrivals.png": plot})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""Closed-loop measurement shared by benchmarks/serve.py, and its mlx-lm side: the same loop
-on mlx-lm's BatchGenerator, in process, greedy AR, the same prompts, max_tokens and stop
-ids, with C sequences kept in the batch (when one finishes the next is inserted). Run as a
+"""The mlx-lm side of benchmarks/dev/serve.py's closed loop: the same loop on mlx-lm's
+BatchGenerator, in process, greedy AR, the same prompts, max_tokens and stop ids,
+with C sequences kept in the batch (when one finishes the next is inserted). Run as a
 module it prints one JSON object (per level); serve.py runs it in a subprocess.
 
-  python -m benchmarks.serve_mlxlm --model PATH --concurrency 1 2 4 --max-tokens 24
+  python -m benchmarks.dev.serve_mlxlm --model PATH --concurrency 1 2 4 --max-tokens 24
 """
 
 from __future__ import annotations
@@ -13,100 +13,16 @@ import itertools
 import json
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-now = time.perf_counter
-PROMPTS = (
-    "The history of the printing press begins",
-    "Write a short story about a lighthouse keeper who",
-    "Explain how a refrigerator works:",
-    "The three most important ideas in economics are",
-    "Once upon a time, in a small village by the sea,",
-    "A recipe for bread: first,",
-    "The main differences between cats and dogs are",
-    "In the year 2100, cities will",
-)
+from wedlm_client.bench.records import PROMPTS, Rec, Schedule, now, summarize
 
-
-@dataclass
-class Rec:
-    """One request: submit time, (time, tokens) per token event, the final record or error."""
-
-    submit: float
-    measured: bool = True
-    events: list[tuple[float, int]] = field(default_factory=list)
-    end: float = 0.0
-    final: dict | None = None
-    error: str | None = None
-    detail: str | None = None  # the error's message
-
-
-class Schedule:
-    """Which requests a closed loop sends and measures. Requests sent during the warm-up
-    are not measured; with a duration, requests are sent until warm-up + duration, else
-    `requests` measured requests are sent in all."""
-
-    def __init__(self, duration: float, requests: int, warmup: float) -> None:
-        self.duration, self.requests = duration, requests
-        self.warm_end = now() + warmup
-        self.stop_at = self.warm_end + duration
-        self._quota = itertools.count()
-        self._lock = threading.Lock()
-
-    def next(self) -> Rec | None:
-        t = now()
-        measured = t >= self.warm_end
-        if self.duration and t >= self.stop_at:
-            return None
-        with self._lock:
-            if not self.duration and measured and next(self._quota) >= self.requests:
-                return None
-        return Rec(t, measured)
-
-    @property
-    def window(self) -> tuple[float, float] | None:
-        return (self.warm_end, self.stop_at) if self.duration else None
-
-
-def pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
-def summarize(recs: list[Rec], window: tuple[float, float] | None) -> dict:
-    """window (start, end): tok/s = tokens of every event inside it / its length (steady
-    state); None: tokens of the measured requests / (first submit → last end)."""
-    done = [r for r in recs if r.measured and r.error is None and r.events]
-    if window is not None:
-        t0, t1 = window
-        tokens = sum(n for r in recs for t, n in r.events if t0 <= t <= t1)
-    else:
-        mine = [r for r in recs if r.measured] or [Rec(0.0)]
-        t0, t1 = min(r.submit for r in mine), max(r.end for r in mine)
-        tokens = sum(n for r in done for _, n in r.events)
-    ttft = [r.events[0][0] - r.submit for r in done]
-    tpot, itl = [], []
-    for r in done:
-        n = sum(k for _, k in r.events)
-        if n > 1:
-            tpot.append((r.events[-1][0] - r.events[0][0]) / (n - 1))
-        itl += [(b[0] - a[0]) / b[1] for a, b in itertools.pairwise(r.events)]
-    tpf = [r.final["tokens_per_forward"] for r in done if r.final and r.final.get("forwards")]
-    stats = {"requests": len(done), "tokens": tokens, "wall_s": round(t1 - t0, 3),
-             "tok_s": round(tokens / (t1 - t0), 2) if t1 > t0 else None}  # fmt: skip
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
-        for q in (50, 90, 99):
-            v = pct(values, q)
-            stats[f"{name}_ms_p{q}"] = None if v is None else round(1000 * v, 2)
-    stats["tokens_per_forward_p50"] = pct(tpf, 50)
-    stats["failures"] = dict(Counter(r.error for r in recs if r.measured and r.error))
-    return stats
+ROOT = Path(__file__).resolve().parents[2]
+# the closed loop's records live in the `wedlm bench` tool; re-exported for these scripts
+__all__ = ["PROMPTS", "Arrivals", "Rec", "Schedule", "now", "summarize"]
 
 
 # ---- mlx-lm BatchGenerator -----------------------------------------------------------------
@@ -183,7 +99,7 @@ def level(model, prompts: list[list[int]], stops: list[int], c: int, args) -> di
 
 def sweep_in_subprocess(model: Path, args) -> dict:
     """Its own process, so its weights and KV are gone before the cluster starts."""
-    cmd = [sys.executable, "-m", "benchmarks.serve_mlxlm", "--model", str(model),
+    cmd = [sys.executable, "-m", "benchmarks.dev.serve_mlxlm", "--model", str(model),
            "--max-tokens", str(args.max_tokens), "--duration", str(args.duration),
            "--requests", str(args.requests), "--warmup", str(args.warmup),
            "--concurrency", *map(str, args.concurrency)]  # fmt: skip
@@ -197,7 +113,7 @@ def sweep_in_subprocess(model: Path, args) -> dict:
 def main() -> None:
     import mlx.core as mx
 
-    from benchmarks.engine import mlx_lm_model
+    from benchmarks.dev.engine import mlx_lm_model
     from common.model_parts import load_model_parts
     from common.tokenizer import Tokenizer
 

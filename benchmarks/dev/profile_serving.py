@@ -1,12 +1,12 @@
 """Where a serving coordinator's time goes under load: the coordinator alone (every layer
-in-process) serves a closed loop of C gRPC streams (benchmarks/serve.py's), and py-spy
+in-process) serves a closed loop of C gRPC streams (benchmarks/dev/serve.py's), and py-spy
 samples it twice: every thread's stacks, then only the thread holding the GIL (`--gil`).
 Prints one JSON object (per thread: share of samples; the heaviest frames, self and
 inclusive) and writes it with the raw collapsed stacks to --out.
 
 Needs py-spy (`pip install py-spy`); it attaches to the coordinator's process id.
 
-  python benchmarks/profile_serving.py --model random-qwen3-8b --concurrency 32 --seconds 10
+  python benchmarks/dev/profile_serving.py --model random-qwen3-8b --concurrency 32 --seconds 10
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_cluster import Cluster
-from benchmarks.grpc_request import stream_request, wait_request
-from benchmarks.serve import grpc_level, prepare_model
-from benchmarks.serve_mlxlm import PROMPTS
+from benchmarks.dev.bench_cluster import Cluster
+from benchmarks.dev.serve import grpc_level, prepare_model
+from benchmarks.dev.serve_mlxlm import PROMPTS
 from common.generation_params import GenerationParams
+from wedlm_client.bench.clients import stream_request, wait_request
 
 
 def parse_raw(path: Path) -> list[tuple[str, list[str], int]]:

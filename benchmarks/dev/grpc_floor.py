@@ -4,7 +4,7 @@ coordinator use), with no protobuf message, no MLX and no worker thread. benchma
 cluster.py reports it next to the real hop so that the hop's own overhead can be told
 apart from what grpcio costs on the machine.
 
-  python -m benchmarks.grpc_floor serve PORT      # the echo server (cluster.py starts it)
+  python -m benchmarks.dev.grpc_floor serve PORT      # the echo server (cluster.py starts it)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = [("grpc.max_send_message_length", 1 << 28), ("grpc.max_receive_message_length", 1 << 28)]
 
 
@@ -47,7 +47,7 @@ def serve(port: int) -> None:
 def measure(payloads: list[int], repeats: int, warmup: int = 20) -> dict[str, float]:
     """Median round trip (ms) of each payload size through a fresh echo process."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.grpc_floor", "serve", "0"],
+        [sys.executable, "-m", "benchmarks.dev.grpc_floor", "serve", "0"],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -147,7 +147,7 @@ def serve_forward(port: int, next_address: str) -> None:
 
 def _process(*args: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.grpc_floor", *args],
+        [sys.executable, "-m", "benchmarks.dev.grpc_floor", *args],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,

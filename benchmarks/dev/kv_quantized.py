@@ -11,7 +11,7 @@ and writes kv_quantized.json to --out.
   model's own (the default model has 8,192 positions) runs on a copy whose config allows
   it (the weights are linked, not copied): the text there is meaningless, the speed is not.
 
-  python benchmarks/kv_quantized.py --model default --out OUT
+  python benchmarks/dev/kv_quantized.py --model default --out OUT
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,4 +1,4 @@
-"""benchmarks/stages.py's summary (the numbers each target is read from) and its plot (one
+"""benchmarks/dev/stages.py's summary (the numbers each target is read from) and its plot (one
 panel per phase that ran and did not fail)."""
 
 from __future__ import annotations
@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.dev.bench_io import finish_axes
 
 TARGETS = {
     "alone_over_mlxlm_min": 1.0,
@@ -99,15 +101,8 @@ def _alone(ax, data: dict) -> None:
                 textcoords="offset points",
                 xytext=(4, 6),
             )
-    ax.set_xscale("log", base=2)
-    ax.set_xticks([int(c) for c in cs], cs)
-    ax.set_ylim(bottom=0)
-    ax.set(
-        xlabel="concurrent requests (AR)",
-        ylabel="aggregate tok/s",
-        title="1: coordinator alone vs mlx-lm (target ≥ 1.0×)",
-    )
-    ax.legend(fontsize=8)
+    finish_axes(ax, "concurrent requests (AR)", "aggregate tok/s", xs=[int(c) for c in cs])
+    ax.set_title("1: coordinator alone vs mlx-lm (target ≥ 1.0×)")
 
 
 def _fresh(ax, data: dict) -> None:

@@ -3,21 +3,19 @@
 At each concurrency C, C client threads each send a request, wait for it to finish and send
 the next. Per level: aggregate output tok/s, TTFT, time per output token (TPOT), inter-token
 latency (ITL), tokens per forward and failures. Also: the same sweep on mlx-lm's
-BatchGenerator (benchmarks/serve_mlxlm.py, in a subprocess), 1 vs P micro-batches in flight
+BatchGenerator (benchmarks/dev/serve_mlxlm.py, in a subprocess), 1 vs P micro-batches in flight
 (--workers >= 2) and WeDLM vs AR on a WeDLM checkpoint. Prints one JSON object and writes
 serve.json + serve.png to --out.
 
-  python benchmarks/serve.py --model default --concurrency 1 2 4 8 --max-tokens 24
-  python benchmarks/serve.py --model default --workers 0 --phases mlxlm sweep   # coordinator alone
-  python benchmarks/serve.py --model random-qwen3-8b --workers 2 --phases pipeline
-  python benchmarks/serve.py --model default --workers 0 --phases http --concurrency 1 16 32
+  python benchmarks/dev/serve.py --model default --concurrency 1 2 4 8 --max-tokens 24
+  python benchmarks/dev/serve.py --model default --workers 0 --phases mlxlm sweep  # alone
+  python benchmarks/dev/serve.py --model random-qwen3-8b --workers 2 --phases pipeline
+  python benchmarks/dev/serve.py --model default --workers 0 --phases http --concurrency 1 16 32
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import signal
 import sys
 import time
@@ -26,16 +24,18 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_cluster import GPUS_HELP, Cluster
-from benchmarks.grpc_request import stream_request
-from benchmarks.serve_http import http_url_of, http_vs_grpc, plot_http
-from benchmarks.serve_mlxlm import PROMPTS, Rec, Schedule, now, summarize, sweep_in_subprocess
+from benchmarks.dev.bench_cluster import GPUS_HELP, Cluster
+from benchmarks.dev.bench_io import add_random_model_flags, finish, finish_axes, save_json
+from benchmarks.dev.serve_http import http_url_of, http_vs_grpc, plot_http
+from benchmarks.dev.serve_mlxlm import sweep_in_subprocess
 from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import resolve_model
+from wedlm_client.bench.clients import grpc_thread, stream_request
+from wedlm_client.bench.records import PROMPTS, Rec, Schedule, now, summarize
 from wedlm_client.client import WedlmClient
 
 COUNTING = ("Count from 1 to 100: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",)  # where the weak model works
@@ -52,19 +52,9 @@ def grpc_level(
     (`request`: grpc_request.stream_request, or wait_request for Submit + WaitJob)."""
     schedule = Schedule(args.duration, args.requests, args.warmup)
     recs: list[Rec] = []
-
-    def thread(i: int) -> None:
-        with WedlmClient(address) as client:
-            for k in itertools.count(i, c):
-                if (rec := schedule.next()) is None:
-                    return
-                if not request(client, prompts[k % len(prompts)], params, rec):
-                    time.sleep(0.05)  # do not spin on a refusal
-                rec.end = now()
-                recs.append(rec)
-
     with ThreadPoolExecutor(c) as pool:
-        list(pool.map(thread, range(c)))
+        list(pool.map(lambda i: grpc_thread(address, params, schedule, recs, i, c, request,
+                                            prompts), range(c)))  # fmt: skip
     stats = summarize(recs, schedule.window)
     stats["hops"] = hop_timings(address)
     print(f"  C={c} {params.mode}: {stats['tok_s']} tok/s, TTFT p50 {stats['ttft_ms_p50']} ms",
@@ -97,10 +87,10 @@ def sweep(address: str, levels: list[int], prompts, params: GenerationParams, ar
 def prepare_model(args) -> tuple[Path, str]:
     if args.model != "random-qwen3-8b":
         return resolve_model(args.model), args.model
-    try:  # the writer lives in benchmarks/cluster.py (random bf16 Qwen3-8B shape, shards)
-        from benchmarks.cluster import QWEN3_8B, write_random_qwen3
+    try:  # the writer lives in benchmarks/dev/cluster.py (random bf16 Qwen3-8B shape, shards)
+        from benchmarks.dev.cluster import QWEN3_8B, write_random_qwen3
     except ImportError as e:
-        raise SystemExit(f"random-qwen3-8b needs benchmarks/cluster.py: {e}") from None
+        raise SystemExit(f"random-qwen3-8b needs benchmarks/dev/cluster.py: {e}") from None
     layers = args.layers_override or QWEN3_8B["layers"]
     hidden = args.hidden_override or QWEN3_8B["hidden"]
     path = args.ckpt_dir or Path(f"/tmp/wedlm-random-qwen3-8b-L{layers}-H{hidden}")
@@ -166,13 +156,7 @@ def plot(result: dict, path: Path) -> None:
             ys = series(data, f"ttft_ms_{q}")
             b.plot(cs, ys, style, color=color, alpha=alpha, label=f"{label} {q}")
     for ax, ylabel in ((a, "aggregate output tok/s"), (b, "TTFT (ms)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted(ticks), [str(c) for c in sorted(ticks)])
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        finish_axes(ax, "concurrent requests", ylabel, xs=sorted(ticks))
     fig.suptitle(f"{result['model']}, {result['workers']} worker(s), {result['device']}, "
                  f"max_tokens {result['max_tokens']}", fontsize=9)  # fmt: skip
     fig.tight_layout()
@@ -190,15 +174,15 @@ def run_cluster_phases(result: dict, model: Path, args) -> None:
     try:
         if "sweep" in args.phases:
             result["sweep"] = sweep(cluster.start_coordinator(), levels, PROMPTS, params, args)
-            save(result, args, partial=True)
+            save_json(result, args.out, "serve.partial.json")
         if "pipeline" in args.phases and args.workers >= 2:
             result["pipeline"] = pipeline_rounds(cluster, top, params, args)
-            save(result, args, partial=True)
+            save_json(result, args.out, "serve.partial.json")
         if "http" in args.phases:
             address = cluster.start_coordinator()
             url = http_url_of(cluster.coordinator.log)
             result["http_vs_grpc"] = http_vs_grpc(address, url, model.name, levels, params, args)
-            save(result, args, partial=True)
+            save_json(result, args.out, "serve.partial.json")
     finally:
         cluster.stop()
 
@@ -247,14 +231,9 @@ def run_wedlm_phase(result: dict, args) -> None:
         cluster.stop()
 
 
-def save(result: dict, args, partial: bool = False) -> None:
-    name = "serve.partial.json" if partial else "serve.json"
-    (args.out / name).write_text(json.dumps(result, indent=1))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", help="PATH, default or random-qwen3-8b")
+    add_random_model_flags(ap)
     ap.add_argument("--address", help="HOST:PORT of a running coordinator (sweep only)")
     ap.add_argument(
         "--workers", type=int, default=1, help="0: the coordinator alone holds every layer"
@@ -274,9 +253,6 @@ def main() -> None:
     ap.add_argument("--wedlm-model", help="a WeDLM checkpoint: WeDLM vs AR on it")
     ap.add_argument("--wedlm-concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--wedlm-threshold", type=float, default=0.6, help="WeDLM entropy threshold")
-    ap.add_argument("--layers-override", type=int, help="random-qwen3-8b: layers (36)")
-    ap.add_argument("--hidden-override", type=int, help="random-qwen3-8b: hidden size (4096)")
-    ap.add_argument("--ckpt-dir", type=Path, help="random-qwen3-8b: where to write it")
     ap.add_argument("--gpus", type=int, default=0, help=GPUS_HELP)
     ap.add_argument(
         "--pipeline-rounds",
@@ -315,7 +291,7 @@ def main() -> None:
     else:
         if "mlxlm" in args.phases:  # first: its process is gone before the cluster starts
             result["mlxlm"] = sweep_in_subprocess(model, args)
-            save(result, args, partial=True)
+            save_json(result, args.out, "serve.partial.json")
         if {"sweep", "pipeline", "http"} & set(args.phases):
             run_cluster_phases(result, model, args)
         if args.wedlm_model and "wedlm" in args.phases:
@@ -327,15 +303,10 @@ def main() -> None:
         }
     result["targets"] = targets(result, levels)
     result["total_s"] = round(now() - t_start, 1)
-    try:
-        if "sweep" in result or "mlxlm" in result:
-            plot(result, args.out / "serve.png")
-        if "http_vs_grpc" in result:
-            plot_http(result, args.out / "serve-http.png")
-    except ImportError:
-        result["plot"] = "matplotlib missing"
-    save(result, args)
-    print(json.dumps(result))
+    plots = {"serve.png": plot} if "sweep" in result or "mlxlm" in result else {}
+    if "http_vs_grpc" in result:
+        plots["serve-http.png"] = plot_http
+    finish(result, args.out, "serve", plots)
 
 
 if __name__ == "__main__":

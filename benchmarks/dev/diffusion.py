@@ -1,4 +1,4 @@
-"""Issue 14's benchmarks: diffusion decoding (DiffusionGemma) on a random 4-bit checkpoint of
+"""Diffusion decoding's benchmarks: (DiffusionGemma) on a random 4-bit checkpoint of
 DiffusionGemma-26B-A4B's shape (hidden 2816, 128 experts of 704, top-8, 262,144-token
 vocabulary, sliding + full attention; --layers of its 30, said in the output). Prints one
 JSON object and writes diffusion.json + diffusion.png to --out.
@@ -23,9 +23,9 @@ Random weights decide how confident a step is, hence how many steps a canvas tak
 counts describe this checkpoint, not DiffusionGemma's text. The per-step costs and the
 batching ratios are what carries over.
 
-  python benchmarks/diffusion.py --layers 30 --phases samplers batch --out OUT
-  python benchmarks/diffusion.py --layers 30 --gpus 2 --phases stages --out OUT
-  python benchmarks/diffusion.py --replot OUT/diffusion.json
+  python benchmarks/dev/diffusion.py --layers 30 --phases samplers batch --out OUT
+  python benchmarks/dev/diffusion.py --layers 30 --gpus 2 --phases stages --out OUT
+  python benchmarks/dev/diffusion.py --replot OUT/diffusion.json
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -88,7 +88,7 @@ def make_random_checkpoint(
     from mlx.utils import tree_flatten
     from mlx_vlm.models.diffusion_gemma import Model, ModelConfig
 
-    from benchmarks.cluster import _tokenizer_files
+    from benchmarks.dev.cluster import _tokenizer_files
 
     if (out / "config.json").exists():
         return out
@@ -384,7 +384,7 @@ def burst_rate(address: str, b: int, max_tokens: int) -> dict:
 
 
 def phase_stages(model: Path, args) -> dict:
-    from benchmarks.bench_cluster import Cluster
+    from benchmarks.dev.bench_cluster import Cluster
 
     b = args.stage_batch
     alone = Cluster(model, 0, max_running=b, gpus=args.gpus, local=True)

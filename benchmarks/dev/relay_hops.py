@@ -17,7 +17,7 @@ compute). overhead = round trip − Σ stage compute, per request; the relay hop
 parse and hand-off to its MLX thread. Every request carries hidden states of the payload's
 size both ways (no reply-slot selection), as fresh windows (committed 0, keep 0: no KV kept).
 
-Floors, measured in the same run (benchmarks/grpc_floor.py):
+Floors, measured in the same run (benchmarks/dev/grpc_floor.py):
 - `echo_ms`: grpcio's raw-bytes stream echo between two processes (a round trip: the floor
   of K1c/K4). A relay hop is one transfer, so its one-way floor is taken as echo / 2:
   `beyond_half_echo_ms` = hop_ms − echo_ms / 2 is the number for the issue's targets
@@ -39,7 +39,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from benchmarks import grpc_floor
+from benchmarks.dev import grpc_floor
+from benchmarks.dev.bench_io import hidden_states
 from common.model_config import load_model_config
 from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode_frame
@@ -127,10 +128,8 @@ def measure(model: Path, gpus: int, repeats: int, warmup: int, payloads=PAYLOADS
         print("  hops: raw relay floor", file=sys.stderr)
         raw = grpc_floor.measure_relay(list(payloads), repeats)
         for k, nbytes in enumerate(payloads):
-            b, t = payload_shape(nbytes, config.hidden_size)
-            x = (mx.random.normal((b, t, config.hidden_size)) * 0.5).astype(mx.bfloat16)
-            mx.eval(x)
-            seq_ids = [50_000 * (k + 1) + i for i in range(b)]
+            b, t, x, seq_ids = hidden_states(nbytes, config.hidden_size, payload_shape,
+                                             50_000 * (k + 1))  # fmt: skip
             spec = _spec(seq_ids, t)
             n = repeats if nbytes < 4 * 1024 * 1024 else max(20, repeats // 2)
             rows: dict[str, list] = {

@@ -3,7 +3,7 @@ batched), and whether grouping the token-expert pairs by expert (each expert's r
 one matrix, M > 1) reads each expert's weights once where the per-pair gather does not.
 One layer of DiffusionGemma-26B-A4B's shape, random 4-bit experts. Prints JSON.
 
-  python benchmarks/moe_experts.py --tokens 256 512 1024 2048
+  python benchmarks/dev/moe_experts.py --tokens 256 512 1024 2048
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -75,7 +75,7 @@ def main() -> None:
     from mlx_vlm.models.diffusion_gemma import ModelConfig
     from mlx_vlm.models.diffusion_gemma.language import DecoderLayer
 
-    from benchmarks.diffusion import SHAPE
+    from benchmarks.dev.diffusion import SHAPE
 
     text = ModelConfig.from_dict({"text_config": dict(SHAPE)}).text_config
     layer = DecoderLayer(text, 0)

@@ -4,8 +4,8 @@ round robin) every --kill-every s and a new one started --restart-after s later.
 failures, recovery times, RSS per process every 5 s and throughput. Prints one JSON object
 (without the raw samples) and writes soak.json, soak.png and the process logs to --out.
 
-  python benchmarks/soak.py --tiny --minutes 4 --kill-every 60 --concurrency 8
-  WEDLM_CACHE_DIR=/tmp/wedlm-cache python benchmarks/soak.py --model default
+  python benchmarks/dev/soak.py --tiny --minutes 4 --kill-every 60 --concurrency 8
+  WEDLM_CACHE_DIR=/tmp/wedlm-cache python benchmarks/dev/soak.py --model default
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import psutil
 from common.generation_params import GenerationParams
 from wedlm_client.client import ClusterError, WedlmClient
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ is not installed
 from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker
 
 SAMPLE_S, POLL_S = 5.0, 0.2

@@ -4,8 +4,9 @@ bytes → gRPC → worker → gRPC → bytes → MLX array) minus the worker's l
 versus the single-process engine, interleaved in one run. Prints one JSON object and writes
 cluster.json + cluster.png to --out.
 
-  python benchmarks/cluster.py --model default --tokens 16 --repeats 2
-  python benchmarks/cluster.py --model random-qwen3-8b [--layers-override 6 --hidden-override 256]
+  python benchmarks/dev/cluster.py --model default --tokens 16 --repeats 2
+  python benchmarks/dev/cluster.py --model random-qwen3-8b \\
+      [--layers-override 6 --hidden-override 256]
 
 `random-qwen3-8b` writes a random bf16 Qwen3-8B-shaped checkpoint (config, a word-level
 tokenizer covering the whole vocabulary, sharded safetensors + index) to --ckpt-dir once.
@@ -24,12 +25,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the project root holds tests/ too
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import grpc_floor
-from benchmarks.bench_cluster import GPUS_HELP, Cluster
+from benchmarks.dev import grpc_floor
+from benchmarks.dev.bench_cluster import GPUS_HELP, Cluster
+from benchmarks.dev.bench_io import add_random_model_flags, finish, hidden_states, suptitled
 from common.generation_params import GenerationParams
 from common.model_config import load_model_config
 from common.rows_spec import RowsSpec
@@ -190,10 +192,8 @@ def bench_hops(model: Path, repeats: int, warmup: int) -> dict:
         # grpcio's own floor: a raw-bytes stream echo between two processes, same sizes
         floor = grpc_floor.measure(list(PAYLOADS), repeats)
         for k, nbytes in enumerate(PAYLOADS):
-            b, t = payload_shape(nbytes, config.hidden_size)
-            x = (mx.random.normal((b, t, config.hidden_size)) * 0.5).astype(mx.bfloat16)
-            mx.eval(x)
-            seq_ids = [10_000 * (k + 1) + i for i in range(b)]
+            b, t, x, seq_ids = hidden_states(nbytes, config.hidden_size, payload_shape,
+                                             10_000 * (k + 1))  # fmt: skip
             # committed 0 and keep 0: every forward is a fresh window, the KV stays empty
             spec = RowsSpec(
                 seq_ids,
@@ -424,17 +424,12 @@ def plot(result: dict, path: Path) -> None:
         ylabel="decode step ms (median)",
         title="single-stream decode step",
     )
-    fig.suptitle(f"{result['model']} on {result['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    suptitled(fig, result, path, dpi=80)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", help="PATH, default or random-qwen3-8b")
-    ap.add_argument("--layers-override", type=int, help="random-qwen3-8b: layers (36)")
-    ap.add_argument("--hidden-override", type=int, help="random-qwen3-8b: hidden size (4096)")
-    ap.add_argument("--ckpt-dir", type=Path, help="random-qwen3-8b: where to write it")
+    add_random_model_flags(ap)
     ap.add_argument("--workers", default="1,2,3")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5, help="decode repeats (ABAB rounds)")
@@ -494,12 +489,7 @@ def main() -> None:
         summary["ratio_2w_target"] = STEP_TARGET
     result["summary"] = summary
     result["total_s"] = now() - t0
-    (args.out / "cluster.json").write_text(json.dumps(result, indent=1))
-    try:
-        plot(result, args.out / "cluster.png")
-    except ImportError:
-        result["plot"] = "matplotlib missing"
-    print(json.dumps(result))
+    finish(result, args.out, "cluster", {"cluster.png": plot})
 
 
 if __name__ == "__main__":

@@ -1,18 +1,17 @@
 """Where a window forward's time goes as its rows T grow: the whole forward, the same
 forward with attention taken out, and the layers' weight matmuls alone. One sequence at
 context 512, WeDLM-shaped windows (explicit mask) for T > 1. Explains `ratio_16p` of
-benchmarks/engine.py: which part of the forward grows with T. Prints one JSON object and
+benchmarks/dev/engine.py: which part of the forward grows with T. Prints one JSON object and
 writes window_cost.json + window_cost.png to --out.
 
-  python benchmarks/window_cost.py --model random-qwen3-8b
-  python benchmarks/window_cost.py --model random-qwen3-8b --layers 2 --hidden 256
+  python benchmarks/dev/window_cost.py --model random-qwen3-8b
+  python benchmarks/dev/window_cost.py --model random-qwen3-8b --layers 2 --hidden 256
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import statistics
 import sys
 import time
@@ -23,11 +22,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.engine import (
+from benchmarks.dev.bench_io import add_random_shape_flags, finish
+from benchmarks.dev.engine import (
     CONTEXT,
     has_dense_projections,
     projections_forward,
@@ -121,9 +121,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="random-qwen3-8b", help="PATH, default or random-qwen3-8b")
-    ap.add_argument("--layers", type=int, default=36, help="random-qwen3-8b only")
-    ap.add_argument("--hidden", type=int, default=4096, help="random-qwen3-8b only")
+    add_random_shape_flags(ap, "random-qwen3-8b")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     args = ap.parse_args()
@@ -147,13 +145,7 @@ def main() -> None:
     if "forward_without_attention" in ms:
         full, rest = ms["forward"], ms["forward_without_attention"]
         result["attention_ms"] = {t: full[t] - rest[t] for t in full}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "window_cost.json").write_text(json.dumps(result, indent=1))
-    try:
-        plot(result, args.out / "window_cost.png")
-    except ImportError:
-        result["plot"] = "matplotlib missing"
-    print(json.dumps(result))
+    finish(result, args.out, "window_cost", {"window_cost.png": plot})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,117 @@
+"""What the developer experiments share: the run's header (device, MLX, date), timing,
+the random hidden states a hop carries, the flags that pick a model, and the end of a run
+(plots, then the JSON file and the JSON line). Plot styling is the tool's own
+(wedlm_client/bench/report.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from wedlm_client.bench.report import figure, finish_axes, save_figure
+
+__all__ = ["figure", "finish_axes", "save_figure"]
+now = time.perf_counter
+
+
+def run_info(**fields: Any) -> dict[str, Any]:
+    """The header of a result: model and settings (`fields`), MLX's device and version, date."""
+    import mlx.core as mx
+
+    return {"model": fields.pop("model", None), "device": str(mx.default_device()),
+            "mlx": mx.__version__, **fields,
+            "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of fn() in ms, after `warmup` unmeasured calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = now()
+        fn()
+        times.append(now() - t0)
+    return statistics.median(times) * 1e3
+
+
+def hidden_states(nbytes: int, hidden: int, shape: Callable[[int, int], tuple[int, int]],
+                  seq_base: int):  # fmt: skip
+    """bf16 hidden states of about `nbytes` in the (sequences, rows) `shape` gives, evaluated,
+    and one sequence id per sequence from seq_base on."""
+    import mlx.core as mx
+
+    b, t = shape(nbytes, hidden)
+    x = (mx.random.normal((b, t, hidden)) * 0.5).astype(mx.bfloat16)
+    mx.eval(x)
+    return b, t, x, [seq_base + i for i in range(b)]
+
+
+def add_random_model_flags(ap: argparse.ArgumentParser, model: str = "default") -> None:
+    """--model PATH|default|random-qwen3-8b and the random checkpoint's shape and place."""
+    ap.add_argument("--model", default=model, help="PATH, default or random-qwen3-8b")
+    ap.add_argument("--layers-override", type=int, help="random-qwen3-8b: layers (36)")
+    ap.add_argument("--hidden-override", type=int, help="random-qwen3-8b: hidden size (4096)")
+    ap.add_argument("--ckpt-dir", type=Path, help="random-qwen3-8b: where to write it")
+
+
+def add_random_shape_flags(ap: argparse.ArgumentParser, model: str = "default") -> None:
+    """--model and the in-process random Qwen3-8B's --layers / --hidden."""
+    ap.add_argument("--model", default=model)
+    ap.add_argument("--layers", type=int, default=36, help="random-qwen3-8b only")
+    ap.add_argument("--hidden", type=int, default=4096, help="random-qwen3-8b only")
+
+
+def add_loop_flags(ap: argparse.ArgumentParser, max_tokens: int, duration: float, warmup: float,
+                   rounds: int) -> None:  # fmt: skip
+    """A closed loop's flags: tokens per request, measured and unmeasured seconds per run,
+    rounds (the order of what is compared alternates round by round)."""
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+    ap.add_argument("--duration", type=float, default=duration, help="measured seconds per run")
+    ap.add_argument("--warmup", type=float, default=warmup, help="unmeasured seconds per run")
+    ap.add_argument("--rounds", type=int, default=rounds, help="rounds (ABAB)")
+
+
+def suptitled(fig, result: dict, path: Path, dpi: int) -> None:
+    """Title a figure with the model and device of `result` and write it to `path`."""
+    fig.suptitle(f"{result['model']} on {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (said on stderr) when it is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is missing: no plot", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_json(result: dict, out: Path, name: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(result, indent=1))
+    return path
+
+
+def finish(result: dict, out: Path, stem: str, plots: dict[str, Callable] | None = None) -> None:
+    """Draw each plot (name → fn(result, path)), write `stem`.json, print the JSON line."""
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        for name, draw in (plots or {}).items():
+            draw(result, out / name)
+    except ImportError:
+        result["plot"] = "matplotlib missing"
+    save_json(result, out, f"{stem}.json")
+    print(json.dumps(result))
