@@ -59,8 +59,9 @@ def test_sharded_checkpoint_loads(checkpoint_dir):
 
 
 def test_quantized_checkpoint_matches_mlx_lm():
-    """An mlx-community style 8-bit conversion loads and computes what mlx-lm computes."""
-    path = shared_model("wedlm-smollm2-135m")
+    """An mlx-lm quantized conversion (round 2: 6-bit, float16 scales) loads and computes
+    what mlx-lm computes."""
+    path = shared_model("wedlm-smollm2-135m-r2")
     ours = load_model_parts(path)
     ref, _ = mlx_lm_load_model(path)
     ref.set_dtype(mx.float32)

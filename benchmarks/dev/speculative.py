@@ -2,7 +2,7 @@
 speculative.png to --out (speculative.partial.json after every phase).
 
 Phases (--phases):
-  mask    The WeDLM-trained checkpoint (../shared/models/wedlm-smollm2-135m): AR, WeDLM and
+  mask    The WeDLM-trained checkpoint (../shared/models/wedlm-smollm2-135m-r2): AR, WeDLM and
           speculative mode with mask-slot drafts, on a counting prompt set (text it is
           WeDLM-capable on) and a chat prompt set, at C = 1 and C = 8 (C requests submitted
           together), in one process and through 2 stages (the coordinator with the first
@@ -44,7 +44,7 @@ from benchmarks.dev.bench_io import pyplot
 from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 
-WEDLM_MODEL = ROOT.parent / "shared" / "models" / "wedlm-smollm2-135m"
+WEDLM_MODEL = ROOT.parent / "shared" / "models" / "wedlm-smollm2-135m-r2"
 COUNTING = [
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
     "Count from one to forty: one, two, three, four, five,",

@@ -1,5 +1,5 @@
 """Where one decode step's time goes, per mode (issue 35). Prints one JSON object and writes
-step_profile.json to --out.
+step_profile.json and step_profile.png to --out.
 
 Part 1, the engine: greedy requests (counting prompts, C = 1 and C = 8) in AR, WeDLM (W 16,
 tau 0.6) and speculative mode with mask drafts (W 8, tau 1.5); the engine's own methods are
@@ -18,13 +18,12 @@ Part 2, bare forwards at the same context: T = 1, and a WeDLM window of T rows w
 explicit (non-causal) mask and with a causal mask, each (a) serial: build + eval, and (b) the
 host's graph build alone (no eval), so device ~= serial - build where they do not overlap.
 
-  python benchmarks/step_profile.py --model ../shared/models/wedlm-smollm2-135m-r2 --out OUT
+  python benchmarks/dev/step_profile.py --model ../shared/models/wedlm-smollm2-135m-r2 --out OUT
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -40,8 +39,9 @@ import mlx.core as mx
 import numpy as np
 
 import coordinator.engine.engine as engine_module
-from benchmarks.engine import wedlm_filled, window_forward
-from benchmarks.speculative import COUNTING
+from benchmarks.dev.bench_io import finish, pyplot, run_info
+from benchmarks.dev.engine import wedlm_filled, window_forward
+from benchmarks.dev.speculative import COUNTING
 from common.generation_params import GenerationParams
 from common.kv_rows import KVRows
 from common.window_mask import window_visibility
@@ -134,6 +134,8 @@ def run_mode(
     if serial:
         del engine._launch_wedlm_ahead
     n = len(steps)
+    if not n:
+        return {"steps": 0, "step_ms_median": float("inf"), "decode_tok_s": 0.0}
     split = {k: round(1e3 * v / n, 3) for k, v in sorted(timers.total.items())}
     split["other"] = round(1e3 * sum(steps) / n - sum(split.values()), 3)
     return {
@@ -197,7 +199,7 @@ def main() -> None:
     prompts = [local.tokenizer.encode(t) for t in COUNTING[: args.prompts]]
     timers = Timers()
     instrument(local.engine, timers)
-    result: dict = {"model": args.model, "device": str(mx.default_device())}
+    result = run_info(model=args.model, concurrency=args.concurrency, modes=args.modes)
     for name, params in MODES.items():  # warm-up: every mode's shapes once
         run_mode(local, prompts[:8], params, 8, timers, name.endswith("_serial"))
         run_mode(local, prompts[:1], params, 1, timers, name.endswith("_serial"))
@@ -224,9 +226,28 @@ def main() -> None:
     result["bare_forwards"] = bare_forwards(
         local.engine.parts, 64, [1, 8, 16, 24, 32], args.bare_repeats
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_profile.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    finish(result, args.out, "step_profile", {"step_profile.png": plot})
+
+
+def plot(result: dict, path: Path) -> None:
+    """One stacked bar per mode and C: the step's median split by where the host spends it."""
+    plt = pyplot()
+    keys = list(result["engine"])
+    parts = ["plan", "batch", "graph", "select", "wait", "post", "reap", "other"]
+    fig, ax = plt.subplots(figsize=(1.1 * len(keys) + 3, 4.5))
+    bottom = np.zeros(len(keys))
+    for part in parts:
+        split = [result["engine"][k]["split_ms_per_step"] for k in keys]
+        vals = np.array([max(one.get(part, 0), 0) for one in split])
+        ax.bar(keys, vals, bottom=bottom, label=part)
+        bottom += vals
+    ax.set_ylabel("ms per decode step (mean)")
+    ax.set_title(f"{result['model']} on {result['device']}")
+    ax.tick_params(axis="x", rotation=45)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
