@@ -23,6 +23,7 @@ MAX_DENOISING_STEPS = 1024
 DRAFT_SOURCES = ("auto", "mask", "lookup", "model")
 MAX_WINDOW = 64
 MAX_FORWARD_ROWS = 3 * MAX_WINDOW  # the widest decode forward of one sequence (forward_rows)
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class GenerationParams:
     draft: str = "auto"  # speculative mode's draft source (DRAFT_SOURCES)
     sampler: str = "turbo"  # diffusion mode's sampler (DIFFUSION_SAMPLERS)
     steps: int = 0  # diffusion mode: denoising steps per canvas at most (0: the model's)
+    # None: no logprobs; k >= 0: each committed token's logprob and its k likeliest
+    # alternatives (coordinator/engine/token_logprobs.py says under which forward)
+    logprobs: int | None = None
     extra_stop_ids: tuple[int, ...] = field(default=(), compare=False)  # model's EOS ids
 
     def __post_init__(self) -> None:
@@ -89,6 +93,8 @@ class GenerationParams:
             raise bad("stop strings must not be empty")
         if not 0 <= self.seed < 2**32:
             raise bad(f"seed must be in [0, 2^32), got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise bad(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
     @property
     def forward_rows(self) -> int:

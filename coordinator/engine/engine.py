@@ -19,6 +19,7 @@ import numpy as np
 from common.errors import InvalidRequest, PromptTooLong
 from common.generation_params import MAX_FORWARD_ROWS, GenerationParams
 from common.model_parts import ModelParts
+from coordinator.engine import token_logprobs
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, row_bucket
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import PrefixCache
@@ -212,6 +213,7 @@ class Engine:
             # without a forward): keep those commits for whoever handles the failure.
             self.undelivered += commits
             raise
+        token_logprobs.attach(commits)
         done = self.scheduler.reap({p.seq.seq_id for f in self.in_flight for p in f.plans})
         gone = self._keep_cached(done)
         if gone:  # their ids are never used again: the workers may drop them at leisure
@@ -295,10 +297,11 @@ class Engine:
         flight = self.in_flight.popleft()
         batch_id, hidden = self.pipeline.collect()
         assert batch_id == flight.batch_id, "micro-batches complete in order"
-        fills, tokens = self._select(flight.batch, hidden)
+        fills, tokens, logprobs = self._select(flight.batch, hidden)
         # Queue this step's selection before the look-ahead forward: the device runs its
         # work in order, so the sync below then waits for step t only, not for t+1.
-        mx.async_eval(fills, tokens)
+        extra = logprobs.arrays() if logprobs is not None else []
+        mx.async_eval(fills, tokens, *extra)
         ahead = self._launch_ahead(flight, tokens)
         commits: list[Commit] = []
         if not ahead and len(self.in_flight) < self.micro_batches:
@@ -312,11 +315,16 @@ class Engine:
             except Exception:
                 self.undelivered += commits  # finished without a forward: still delivered
                 raise
-        mx.eval(fills, tokens)  # the one host sync of this micro-batch
+        mx.eval(fills, tokens, *extra)  # the one host sync of this micro-batch
         self.forwards += 1
+        before = [len(p.seq.output) for p in flight.plans]
+        window_steps = token_logprobs.wedlm_decoding(flight.plans)
+        fills_np, tokens_np = np.array(fills), np.array(tokens)
         commits += self.scheduler.postprocess(
-            flight.unit, flight.plans, np.array(fills), np.array(tokens), flight.started
+            flight.unit, flight.plans, fills_np, tokens_np, flight.started
         )
+        if logprobs is not None:
+            token_logprobs.record(logprobs, flight.plans, before, tokens_np, fills_np, window_steps)
         self._unpin_forks(flight.plans)
         if ahead:
             self.scheduler.busy.add(flight.unit)
@@ -388,14 +396,22 @@ class Engine:
             for g, group in enumerate(sched.groups)
         )
 
-    def _select(self, batch: TickBatch, hidden: mx.array) -> tuple[mx.array, mx.array]:
-        """Head on the needed rows, selection and sampling on the device, left lazy. Only
-        what the batch needs is built: every op here sits between two forwards on the
-        device, so a greedy autoregressive batch pays for the head and an argmax only."""
+    def _select(
+        self, batch: TickBatch, hidden: mx.array
+    ) -> tuple[mx.array, mx.array, token_logprobs.SlotLogprobs | None]:
+        """Head on the needed rows, selection and sampling on the device, left lazy, and
+        the logprobs of rows that ask. Only what the batch needs is built: every op here
+        sits between two forwards on the device, so a greedy autoregressive batch pays for
+        the head and an argmax only."""
         rows = len(batch.plans)
         if not batch.wants_head:
-            return mx.zeros((rows, 0), mx.bool_), mx.zeros((rows, 0), mx.int32)
+            return mx.zeros((rows, 0), mx.bool_), mx.zeros((rows, 0), mx.int32), None
         logits = self.parts.head(hidden[:rows])  # the pipeline returned the head slots only
+        fills, tokens = self._choose(batch, logits)
+        return fills, tokens, token_logprobs.slot_logprobs(batch.plans, logits, tokens)
+
+    def _choose(self, batch: TickBatch, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """Selection (which slots fill) and sampling (with which tokens)."""
         if batch.any_selection or batch.any_sampling:
             logits = logits.astype(mx.float32)  # entropy and sampling work in float32
         is_mask = mx.array(batch.head_is_mask)

@@ -43,14 +43,16 @@ def openai_encoder(backend: ApiBackend, body: GenerationFields) -> Encode:
 
 
 class CommitText(str):
-    """Text of committed tokens, with the forwards (commits) and tokens it carries."""
+    """Text of committed tokens, with the forwards (commits) and tokens it carries, and
+    those tokens' logprobs (TokenLogprob each; empty unless the request asks)."""
 
     forwards: int
     tokens: int
+    logprobs: list
 
-    def __new__(cls, text: str, forwards: int, tokens: int) -> CommitText:
+    def __new__(cls, text: str, forwards: int, tokens: int, logprobs: list = ()) -> CommitText:
         piece = super().__new__(cls, text)
-        piece.forwards, piece.tokens = forwards, tokens
+        piece.forwards, piece.tokens, piece.logprobs = forwards, tokens, list(logprobs)
         return piece
 
 
@@ -88,18 +90,21 @@ class Generation:
         job is cancelled then."""
         trimmer = StopText(self.stops)
         forwards = tokens = 0  # committed since the last piece
+        logprobs: list = []  # of those tokens (a piece held back keeps them)
         try:
             while (event := await self.events.next(self.request, merge)) is not None:
                 if event[0] == "tokens":
                     forwards, tokens = forwards + event[3], tokens + len(event[1])
+                    logprobs += event[4]
                     if text := trimmer.add(event[2]):
-                        yield CommitText(text, forwards, tokens)
+                        yield CommitText(text, forwards, tokens, logprobs)
                         forwards = tokens = 0
+                        logprobs = []
                     continue
                 result = event[1]
                 if not result.get("error"):
                     if tail := trimmer.finish():
-                        yield CommitText(tail, forwards, tokens)
+                        yield CommitText(tail, forwards, tokens, logprobs)
                     result = self._trimmed(result)
                 yield result
                 return
@@ -138,7 +143,7 @@ def failure(result: dict[str, Any]) -> ApiError:
 
 
 def finish_reason(result: dict[str, Any]) -> str:
-    """"stop" (EOS, a stop id or string), "length" (the limit or the context), or "abort"
+    """ "stop" (EOS, a stop id or string), "length" (the limit or the context), or "abort"
     (cancelled, expired)."""
     return {"stop": "stop", "length": "length"}.get(result.get("finish_reason") or "", "abort")
 

@@ -38,6 +38,7 @@ from coordinator.http_api.generation import (
     finish_reason,
     openai_encoder,
 )
+from coordinator.http_api.logprobs_format import LogprobText
 from coordinator.http_api.ollama_app import add_ollama_routes
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
@@ -93,6 +94,7 @@ class _Reply:
         self.model = model
         self.created = int(time.time())
         self.call_index = 0  # of the next streamed tool call
+        self.text_offset = 0  # completions' logprobs: characters answered so far
         # A text chunk is this prefix, the JSON string, this suffix: built once per
         # request, since a stream sends one per commit.
         head = _sse(self._envelope("chat.completion.chunk" if chat else "text_completion", []))
@@ -108,8 +110,24 @@ class _Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}  # fmt: skip
 
-    def text_chunk(self, text: str) -> str:
-        return self._text_prefix + json.dumps(text) + self._text_suffix
+    def text_chunk(self, text: str, logprobs: dict[str, Any] | None = None) -> str:
+        if logprobs is None:
+            return self._text_prefix + json.dumps(text) + self._text_suffix
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text}, "finish_reason": None,
+                      "logprobs": logprobs}  # fmt: skip
+            return _sse(self._envelope("chat.completion.chunk", [choice]))
+        choice = {"index": 0, "text": text, "finish_reason": None, "logprobs": logprobs}
+        return _sse(self._envelope("text_completion", [choice]))
+
+    def logprobs(self, entries: list, text: LogprobText) -> dict[str, Any]:
+        """Entries in this API's shape (completions count characters across chunks)."""
+        if self.chat:
+            return text.chat(entries)
+        found = text.completion(entries, self.text_offset)
+        if found["tokens"]:
+            self.text_offset = found["text_offset"][-1] + len(found["tokens"][-1])
+        return found
 
     def commit_chunk(self, text: str, forwards: int, tokens: int) -> str:
         """A text chunk that also says how many forwards committed it (stream_commits)."""
@@ -141,16 +159,22 @@ class _Reply:
         return _sse(self._envelope("chat.completion.chunk", [choice]))
 
     def whole(
-        self, text: str, finish: str, usage: dict[str, int], calls: list | None = None
+        self,
+        text: str,
+        finish: str,
+        usage: dict[str, int],
+        calls: list | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
                 message["content"] = text or None
                 message["tool_calls"] = calls
-            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "message": message, "finish_reason": finish,
+                      "logprobs": logprobs}  # fmt: skip
             return self._envelope("chat.completion", [choice], usage=usage)
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
         return self._envelope("text_completion", [choice], usage=usage)
 
 
@@ -193,6 +217,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
             expose_headers=["*"],
         )
     app.add_middleware(CountRequests, metrics=backend.metrics)
+    token_text = LogprobText(backend.tokenizer)
 
     async def authorized(authorization: str | None = Header(default=None)) -> None:
         if not backend.key_matches(authorization):
@@ -219,9 +244,12 @@ def build_app(backend: ApiBackend) -> FastAPI:
         tools = None
         if chat and body.tools_in_use():  # type: ignore[attr-defined]
             tools = (backend.tokenizer.tool_calling, chat_tools(body))  # type: ignore[arg-type]
+        logprobs = gen.job.params.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return event_stream(_stream(gen, reply, include_usage, tools, body.stream_commits))
+            return event_stream(
+                _stream(gen, reply, include_usage, tools, body.stream_commits, logprobs)
+            )
         result = await gen.result()
         if result is None:
             return JSONResponse(error_body(499, "the client disconnected"), 499)
@@ -233,11 +261,15 @@ def build_app(backend: ApiBackend) -> FastAPI:
         reason = finish_reason(result)
         if calls and reason == "stop":
             reason = "tool_calls"
-        return JSONResponse(reply.whole(text, reason, _usage(result), calls))
+        found = reply.logprobs(gen.job.logprobs, token_text) if logprobs else None
+        return JSONResponse(reply.whole(text, reason, _usage(result), calls, found))
 
-    async def _stream(gen: Generation, reply: _Reply, include_usage: bool, tools, commits: bool):
+    async def _stream(
+        gen: Generation, reply: _Reply, include_usage: bool, tools, commits: bool, logprobs: bool
+    ):
         """`commits` (stream_commits): a chunk per commit, saying how many forwards and
-        tokens it carries (the console groups the tokens of one forward)."""
+        tokens it carries (the console groups the tokens of one forward); `logprobs`:
+        each text chunk carries its tokens' logprobs."""
         calls = ToolCallStream(*tools) if tools is not None else None
 
         def chunks(pieces):  # text, or the calls of one completed tool call
@@ -248,7 +280,9 @@ def build_app(backend: ApiBackend) -> FastAPI:
             yield reply.chunk(None, role=True)
         async for piece in gen.pieces(merge=not commits):
             if isinstance(piece, str):
-                if calls is None and isinstance(piece, CommitText) and commits:
+                if calls is None and isinstance(piece, CommitText) and logprobs:
+                    yield reply.text_chunk(piece, reply.logprobs(piece.logprobs, token_text))
+                elif calls is None and isinstance(piece, CommitText) and commits:
                     yield reply.commit_chunk(piece, piece.forwards, piece.tokens)
                 elif calls is None:
                     yield reply.text_chunk(piece)

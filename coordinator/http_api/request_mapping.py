@@ -148,6 +148,11 @@ def generation_params(
     if problem is not None:
         field, why = problem
         raise ApiError(400, why if why.startswith(field) else f"{field}: {why}", field)
+    try:
+        logprobs = body.logprob_count()
+    except ValueError as e:
+        field = str(e).split(":")[0].split(" ")[0]
+        raise ApiError(400, str(e), field) from None
     threshold = DEFAULTS.threshold if body.threshold is None else body.threshold
     if body.one_by_one:
         if body.threshold is not None:
@@ -169,6 +174,7 @@ def generation_params(
             draft=body.draft or DEFAULTS.draft,
             sampler=body.sampler or DEFAULTS.sampler,
             steps=body.steps or 0,
+            logprobs=logprobs,
         )
     except InvalidRequest as e:
         message = str(e)

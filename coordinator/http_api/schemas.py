@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.generation_params import MAX_TOP_LOGPROBS
+
 
 class _Body(BaseModel):
     # Unknown fields are ignored (clients send vendor fields freely); fields that ask for
@@ -99,14 +101,22 @@ class GenerationFields(_Body):
     def prompt_field(self) -> str:
         return "prompt"
 
+    def logprob_count(self) -> int | None:
+        """Alternatives per token (params.logprobs), None when no logprobs are asked;
+        completions' form: `logprobs: k`."""
+        lp = self.logprobs
+        if lp is None:
+            return None
+        if isinstance(lp, bool) or not isinstance(lp, int):
+            raise ValueError(f"logprobs: an integer between 0 and {MAX_TOP_LOGPROBS}, got {lp!r}")
+        if not 0 <= lp <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {lp}")
+        return lp
+
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field that asks for what this server cannot do."""
         if self.n not in (None, 1):
             return "n", f"n must be 1 (one choice per request), got {self.n}"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs are not available from this server"
-        if self.top_logprobs:
-            return "top_logprobs", "logprobs are not available from this server"
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 return name, f"{name} is not supported (use the WeDLM `penalty` field)"
@@ -133,6 +143,17 @@ class ChatCompletionRequest(GenerationFields):
 
     def prompt_field(self) -> str:
         return "messages"
+
+    def logprob_count(self) -> int | None:
+        """Chat's form: `logprobs: true` and `top_logprobs: k`."""
+        lp, top = self.logprobs, self.top_logprobs
+        if lp is not None and not isinstance(lp, bool):
+            raise ValueError(f"logprobs: true or false, got {lp!r}")
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+        if top and not lp:
+            raise ValueError("top_logprobs: needs logprobs true")
+        return (top or 0) if lp else None
 
     def tools_in_use(self) -> bool:
         """Tools are rendered into the prompt and calls parsed from the answer."""

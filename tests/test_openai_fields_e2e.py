@@ -1,0 +1,103 @@
+"""The OpenAI fields beyond text, through the `openai` package against a real coordinator:
+logprobs / top_logprobs (chat and completions, streamed and not), and their validation."""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+
+from tests.checkpoints import TOOL_CHAT_TEMPLATE
+from tests.cluster_harness import http_coordinator
+
+QUESTION = [{"role": "user", "content": "what is the weather in Paris"}]
+MODES = ["ar", "wedlm", "speculative"]
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint_dir):
+    return checkpoint_dir(
+        "qwen2", seed=5, chat_template=TOOL_CHAT_TEMPLATE, max_position_embeddings=2048
+    )
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with http_coordinator(model) as coord:
+        yield {"http": coord.http, "model": model.name}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server["http"], api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _chat(client, server, **kw):
+    return client.chat.completions.create(model=server["model"], messages=QUESTION, **kw)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_logprobs_streamed_equal_whole(server, client, mode):
+    args = {"max_tokens": 12, "logprobs": True, "top_logprobs": 3, "extra_body": {"mode": mode}}
+    whole = _chat(client, server, **args)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    text = b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace")
+    assert text == whole.choices[0].message.content
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+        assert e.top_logprobs[0].token == e.token  # greedy: the likeliest
+        assert bytes(e.bytes).decode("utf-8", "backslashreplace") == e.token
+    streamed = []
+    for chunk in _chat(client, server, stream=True, **args):
+        if chunk.choices and chunk.choices[0].logprobs:
+            streamed += chunk.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+
+def test_completion_logprobs(server, client):
+    args = {"model": server["model"], "prompt": "once upon a time", "max_tokens": 8,
+            "logprobs": 2, "extra_body": {"mode": "ar"}}  # fmt: skip
+    whole = client.completions.create(**args)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **args)
+                if c.choices and c.choices[0].logprobs]  # fmt: skip
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    values = [v for s in streamed for v in s.token_logprobs]
+    assert values == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert all(math.isfinite(v) for v in values)
+
+
+def test_no_logprobs_unless_asked(server, client):
+    plain = _chat(client, server, max_tokens=4, extra_body={"mode": "ar"})
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"extra_body": {"logprobs": 3}}, "logprobs"),
+    ],
+)
+def test_bad_logprob_fields_are_400(server, client, kw, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, server, max_tokens=2, **kw)
+    assert err.value.body["param"] == param
+
+
+def test_bad_completion_logprobs_are_400(server, client):
+    for value in (21, -1):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=server["model"], prompt="hi", logprobs=value)
+        assert err.value.body["param"] == "logprobs"
