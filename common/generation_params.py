@@ -45,6 +45,8 @@ class GenerationParams:
     # None: no logprobs; k >= 0: each committed token's logprob and its k likeliest
     # alternatives (coordinator/engine/token_logprobs.py says under which forward)
     logprobs: int | None = None
+    # an llguidance grammar the output must match (structured output); None: free text
+    grammar: str | None = None
     extra_stop_ids: tuple[int, ...] = field(default=(), compare=False)  # model's EOS ids
 
     def __post_init__(self) -> None:

@@ -117,6 +117,11 @@ class Tokenizer:
         """What a user reads: the completion without special tokens."""
         return self._hf.decode(ids, skip_special_tokens=True)
 
+    @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer underneath (llguidance reads its vocabulary)."""
+        return self._hf
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level token may be part of a character:
         its own decode would be U+FFFD)."""

@@ -183,7 +183,7 @@ BAD_FIELDS = [
     ({"max_tokens": 10**6}, "max_tokens"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"stop": [""]}, "stop"),
     ({"seed": "seven"}, "seed"),
     ({"extra_body": {"window": 999}}, "window"),

@@ -1,10 +1,16 @@
 """The OpenAI fields beyond text, through the `openai` package against a real coordinator:
-logprobs / top_logprobs (chat and completions, streamed and not), and their validation."""
+logprobs / top_logprobs (chat and completions, streamed and not), structured output
+(response_format json_object / json_schema), and their validation."""
 
 from __future__ import annotations
 
+import json
 import math
+import random
+from concurrent.futures import ThreadPoolExecutor
 
+import jsonschema
+import ollama
 import openai
 import pytest
 
@@ -101,3 +107,94 @@ def test_bad_completion_logprobs_are_400(server, client):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model=server["model"], prompt="hi", logprobs=value)
         assert err.value.body["param"] == "logprobs"
+
+
+# ---- structured output ---------------------------------------------------------------
+
+# Bounded strings and numbers: a random model's answer ends within max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "maxItems": 3},
+    },
+    "required": ["name", "age", "member", "color", "scores"],
+    "additionalProperties": False,
+}  # fmt: skip
+WORDS = ["cat", "sky", "river", "piano", "seven", "orange", "cloud", "table", "quiet", "north"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_json_schema_output_validates(server, client, mode):
+    rng = random.Random(mode)
+    prompts = [" ".join(rng.choices(WORDS, k=5)) for _ in range(20)]
+    response_format = {"type": "json_schema",
+                       "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+
+    def ask(prompt: str, temperature: float):
+        return client.chat.completions.create(
+            model=server["model"], messages=[{"role": "user", "content": prompt}],
+            response_format=response_format, max_tokens=200, temperature=temperature,
+            seed=1, extra_body={"mode": mode},
+        )  # fmt: skip
+
+    with ThreadPoolExecutor(8) as pool:  # concurrent: constrained rows share forwards
+        answers = list(pool.map(ask, prompts, [0.0, 1.0] * 10))
+    for answer in answers:
+        assert answer.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMA)
+        assert answer.usage.mode == "ar"  # one grammar-checked token per forward
+    if mode != "ar":  # greedy: the constrained answer is AR's
+        ar = ask(prompts[0], 0.0)
+        assert ar.choices[0].message.content == answers[0].choices[0].message.content
+
+
+def test_json_object_is_an_object(server, client):
+    answer = client.chat.completions.create(
+        model=server["model"], messages=QUESTION, response_format={"type": "json_object"},
+        max_tokens=30, extra_body={"mode": "ar"})  # fmt: skip
+    text = answer.choices[0].message.content
+    assert text.startswith("{")
+    if answer.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    stream = client.chat.completions.create(
+        model=server["model"], messages=QUESTION, response_format={"type": "json_object"},
+        max_tokens=30, extra_body={"mode": "ar"}, stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+@pytest.mark.parametrize(
+    ("response_format", "param"),
+    [
+        ({"type": "xml"}, "response_format.type"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}},
+         "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+         "response_format.json_schema.schema"),
+    ],
+)  # fmt: skip
+def test_bad_response_formats_are_400(server, client, response_format, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, server, max_tokens=2, response_format=response_format)
+    assert err.value.body["param"] == param
+
+
+def test_ollama_format_and_responses_text_format(server, client):
+    """Ollama's `format` and the Responses API's `text.format` are the same grammar."""
+    ollama_client = ollama.Client(host=server["http"].removesuffix("/v1"))
+    for fmt in ("json", SCHEMA):
+        answer = ollama_client.chat(model=server["model"], messages=QUESTION, format=fmt,
+                                    options={"num_predict": 200, "temperature": 0})  # fmt: skip
+        text = answer.message.content
+        assert text.startswith("{")
+        if fmt is SCHEMA:
+            jsonschema.validate(json.loads(text), SCHEMA)
+    response = client.responses.create(
+        model=server["model"], input="describe a person", max_output_tokens=200,
+        text={"format": {"type": "json_schema", "name": "person", "schema": SCHEMA}})  # fmt: skip
+    jsonschema.validate(json.loads(response.output_text), SCHEMA)
+    assert response.text.format.type == "json_schema"

@@ -19,7 +19,7 @@ import numpy as np
 from common.errors import InvalidRequest, PromptTooLong
 from common.generation_params import MAX_FORWARD_ROWS, GenerationParams
 from common.model_parts import ModelParts
-from coordinator.engine import token_logprobs
+from coordinator.engine import constrained, token_logprobs
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, row_bucket
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import PrefixCache
@@ -81,6 +81,7 @@ class Engine:
         self.undelivered: list[Commit] = []  # commits of a step that then failed
         self.drafter = None  # a DraftModel proposing speculative drafts (use_drafter)
         self._warned: set[str] = set()  # modes whose mode_warning was logged
+        self.grammars: constrained.Grammars | None = None  # structured output (use_grammars)
 
     def use_pipeline(self, pipeline: Pipeline, micro_batches: int) -> None:
         """Switch to another pipeline (e.g. once the workers are planned). Call while idle."""
@@ -136,10 +137,15 @@ class Engine:
         )
 
     def submit(self, prompt: list[int], params: GenerationParams) -> Sequence:
-        params = self.resolve_drafts(self.resolve_mode(params))
+        params = constrained.constrained_params(self.resolve_mode(params))
+        params = self.resolve_drafts(params)
         self.validate_prompt(prompt, params)
         params = replace(params, extra_stop_ids=self.model_stop_ids)
         seq = Sequence(next(self._ids), list(prompt), params, text_tail=self.text_tail)
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequest("structured output needs the tokenizer (use_grammars)")
+            seq.matcher = self.grammars.matcher(params.grammar)
         seq.warning = self.mode_warning(params)
         if seq.warning and params.mode not in self._warned:
             self._warned.add(params.mode)  # once per mode: a busy server would repeat it
@@ -239,6 +245,10 @@ class Engine:
                 cache.insert(seq.seq_id, tokens, self.scheduler.limits.kv_tokens)
         return untrusted + cache.take_dropped()
 
+    def use_grammars(self, grammars: constrained.Grammars) -> None:
+        """Decode requests with a grammar (structured output) through these matchers."""
+        self.grammars = grammars
+
     def use_drafter(self, drafter) -> None:
         """Propose speculative drafts with this DraftModel (draft source "model")."""
         self.drafter = drafter
@@ -323,6 +333,7 @@ class Engine:
         commits += self.scheduler.postprocess(
             flight.unit, flight.plans, fills_np, tokens_np, flight.started
         )
+        constrained.advance(flight.plans, before)
         if logprobs is not None:
             token_logprobs.record(logprobs, flight.plans, before, tokens_np, fills_np, window_steps)
         self._unpin_forks(flight.plans)
@@ -426,6 +437,7 @@ class Engine:
             )
         else:  # AR rows fill their one slot (an infinite threshold): exactly is_mask
             fills = is_mask
+        logits = constrained.mask_logits(batch.plans, logits)  # after selection: raw entropies
         if not batch.any_sampling:
             return fills, greedy_tokens(logits)
         arrays = batch.sampling_arrays()

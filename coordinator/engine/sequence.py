@@ -51,6 +51,7 @@ class Sequence:
     text_tail: Callable[[list[int]], str] | None = field(default=None, repr=False)
     # params.logprobs: chosen tokens' logprobs by output index until they commit
     token_logprobs: dict[int, Any] = field(default_factory=dict, repr=False)
+    matcher: Any = field(default=None, repr=False)  # params.grammar's state (constrained.py)
 
     @property
     def finished(self) -> bool:

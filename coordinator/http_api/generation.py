@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -18,7 +19,13 @@ from common.generation_params import GenerationParams
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import ApiError
 from coordinator.http_api.job_events import JobEvents
-from coordinator.http_api.request_mapping import chat_prompt, completion_prompt, generation_params
+from coordinator.http_api.request_mapping import (
+    chat_prompt,
+    chat_tools,
+    completion_prompt,
+    generation_params,
+)
+from coordinator.http_api.response_format import response_format_grammar, tool_choice_grammar
 from coordinator.http_api.schemas import ChatCompletionRequest, GenerationFields
 from coordinator.http_api.stop_text import StopText, trim_at_stop
 from coordinator.service.jobs import Job
@@ -37,6 +44,14 @@ def openai_encoder(backend: ApiBackend, body: GenerationFields) -> Encode:
         else:
             prompt = completion_prompt(body, backend.tokenizer, backend.context)  # type: ignore[arg-type]
         params = generation_params(body, len(prompt), backend.context, backend.default_max_tokens)
+        if isinstance(body, ChatCompletionRequest):
+            grammars = backend.admission.engine.grammars
+            grammar = response_format_grammar(body.response_format, grammars)
+            if body.tools_in_use() and backend.tokenizer.tool_calling is not None:
+                tools = chat_tools(body) or []
+                syntax = backend.tokenizer.tool_calling
+                grammar = tool_choice_grammar(body.tool_choice, tools, syntax, grammars) or grammar
+            params = replace(params, grammar=grammar)
         return prompt, params
 
     return encode

@@ -6,7 +6,8 @@ same mapping, admission, events, stop trimming and cancellation serve it
 
 Ollama's runtime options (num_ctx, num_gpu, keep_alive, ...) are ignored, as Ollama itself
 ignores options a model does not use; what would change the answer in a way this server
-cannot do (images, format, think, a custom template, context) is refused with a 400."""
+cannot do (images, think, a custom template, context) is refused with a 400; `format`
+(json or a schema) becomes response_format."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ NDJSON = "application/x-ndjson"
 # OpenAI field names the shared mapping reports → this API's
 _FIELDS = {"max_tokens": "options.num_predict", "temperature": "options.temperature",
            "top_p": "options.top_p", "top_k": "options.top_k", "stop": "options.stop",
-           "seed": "options.seed"}  # fmt: skip
+           "seed": "options.seed", "response_format.json_schema.schema": "format",
+           "response_format": "format"}  # fmt: skip
 
 
 class _Body(BaseModel):
@@ -114,9 +116,19 @@ def _api_error(err: ApiError) -> JSONResponse:
     return _error(err.status, message)
 
 
+def _response_format(body: _Generating) -> dict[str, Any]:
+    """Ollama's `format` ("json" or a JSON schema) as OpenAI's response_format field."""
+    if not body.format:
+        return {}
+    if body.format == "json":
+        return {"response_format": {"type": "json_object"}}
+    if isinstance(body.format, dict):
+        schema = {"name": "format", "schema": body.format}
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    raise ApiError(400, f"format: 'json' or a JSON schema, got {body.format!r}")
+
+
 def _refuse_extras(body: _Generating, images: bool) -> None:
-    if body.format:
-        raise ApiError(400, "format: structured outputs (json, a schema) are not supported")
     if body.think not in (None, False):
         raise ApiError(400, "think: this server's models do not support thinking")
     if images:
@@ -154,6 +166,7 @@ def chat_to_openai(body: ChatRequest) -> ChatCompletionRequest:
             message["name"] = m.tool_name
         messages.append(message)
     fields = {"model": body.model, "messages": messages, **_sampling(body)}
+    fields.update(_response_format(body))
     if body.tools:
         fields["tools"] = body.tools
     return ChatCompletionRequest.model_validate(fields)
@@ -171,13 +184,15 @@ def generate_to_openai(body: GenerateRequest, chat: bool):
     if body.context:
         raise ApiError(400, "context: not supported (send the conversation to /api/chat)")
     if not chat:
+        if body.format:
+            raise ApiError(400, "format: structured output needs a chat prompt (raw false)")
         return CompletionRequest.model_validate(
             {"model": body.model, "prompt": body.prompt, **_sampling(body)}
         )
     messages = [{"role": "system", "content": body.system}] if body.system else []
     messages.append({"role": "user", "content": body.prompt})
     return ChatCompletionRequest.model_validate(
-        {"model": body.model, "messages": messages, **_sampling(body)}
+        {"model": body.model, "messages": messages, **_sampling(body), **_response_format(body)}
     )
 
 

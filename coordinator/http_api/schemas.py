@@ -160,13 +160,12 @@ class ChatCompletionRequest(GenerationFields):
         return bool(self.tools) and self.tool_choice != "none"
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", (
-                "tool_choice: only 'auto' and 'none' are supported ('required' and a named "
-                "function need constrained decoding, which this server does not have yet)"
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            return "tool_choice", "tool_choice: names a tool call, but there are no tools"
+        if self.response_format and self.tool_choice not in (None, "none", "auto"):
+            return "response_format", (
+                "response_format and a required tool call are exclusive (one grammar each)"
             )
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "only the text response format is supported"
         return super().unsupported()
 
 
