@@ -14,6 +14,7 @@ import ollama
 import openai
 import pytest
 
+from common.tokenizer import Tokenizer
 from tests.checkpoints import TOOL_CHAT_TEMPLATE
 from tests.cluster_harness import http_coordinator
 
@@ -198,3 +199,66 @@ def test_ollama_format_and_responses_text_format(server, client):
         text={"format": {"type": "json_schema", "name": "person", "schema": SCHEMA}})  # fmt: skip
     jsonschema.validate(json.loads(response.output_text), SCHEMA)
     assert response.text.format.type == "json_schema"
+
+
+# ---- penalties, logit_bias, seed ------------------------------------------------------
+
+
+def _tokens(client, server, **kw) -> list[str]:
+    """The answer's tokens (as completions' logprobs spell them)."""
+    answer = client.completions.create(model=server["model"], prompt="the cat sat on the",
+                                       max_tokens=24, logprobs=0, **kw)  # fmt: skip
+    return answer.choices[0].logprobs.tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logit_bias_forces_and_bans(server, client, model, mode):
+    tok = Tokenizer(model)
+    ids = {tok.token_bytes(i).decode("utf-8", "backslashreplace"): i
+           for i in range(len(tok.vocabulary()))}  # fmt: skip
+    forced = tok.encode(" blue")[-1]
+    piece = tok.token_bytes(forced).decode("utf-8", "backslashreplace")
+    text = _tokens(client, server, logit_bias={str(forced): 100}, extra_body={"mode": mode})
+    assert set(text) == {piece}
+    free = _tokens(client, server, extra_body={"mode": mode})
+    banned = _tokens(client, server, logit_bias={str(ids[free[0]]): -100},
+                     extra_body={"mode": mode})  # fmt: skip
+    assert free[0] not in banned
+
+
+def test_penalties_stop_repeating(server, client):
+    """A random greedy model repeats itself; penalties make it choose other tokens."""
+    plain = _tokens(client, server, extra_body={"mode": "ar"})
+    assert len(set(plain)) < len(plain)
+    for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+               {"extra_body": {"repetition_penalty": 5.0}}):  # fmt: skip
+        kw.setdefault("extra_body", {})["mode"] = "wedlm"  # penalized requests decode AR
+        penalized = _tokens(client, server, **kw)
+        assert len(set(penalized)) > len(set(plain)), kw
+
+
+def test_seed_reproduces_sampled_output(server, client):
+    def sample(seed: int, mode: str) -> str:
+        return _chat(client, server, max_tokens=16, temperature=1.0, seed=seed,
+                     extra_body={"mode": mode}).choices[0].message.content  # fmt: skip
+
+    for mode in MODES:
+        assert sample(11, mode) == sample(11, mode)
+        assert len({sample(s, mode) for s in (1, 2, 3)}) > 1
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"logit_bias": {"cat": 1}}, "logit_bias"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ],
+)
+def test_bad_penalties_are_400(server, client, kw, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, server, max_tokens=2, **kw)
+    assert err.value.body["param"] == param

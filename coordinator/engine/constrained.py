@@ -64,9 +64,10 @@ class Grammars:
         return matcher
 
 
-def constrained_params(params: GenerationParams) -> GenerationParams:
-    """A constrained request decodes autoregressively (module docstring)."""
-    if params.grammar is None or params.mode == "ar":
+def sequential_params(params: GenerationParams) -> GenerationParams:
+    """A constrained or penalized request decodes autoregressively: its logits depend on
+    every token before the choice (module docstring; logit_bias.py)."""
+    if (params.grammar is None and not params.penalized) or params.mode == "ar":
         return params
     return replace(params, mode="ar", draft="auto")
 

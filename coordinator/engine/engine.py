@@ -19,7 +19,7 @@ import numpy as np
 from common.errors import InvalidRequest, PromptTooLong
 from common.generation_params import MAX_FORWARD_ROWS, GenerationParams
 from common.model_parts import ModelParts
-from coordinator.engine import constrained, token_logprobs
+from coordinator.engine import constrained, logit_bias, token_logprobs
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, row_bucket
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import PrefixCache
@@ -137,7 +137,7 @@ class Engine:
         )
 
     def submit(self, prompt: list[int], params: GenerationParams) -> Sequence:
-        params = constrained.constrained_params(self.resolve_mode(params))
+        params = constrained.sequential_params(self.resolve_mode(params))
         params = self.resolve_drafts(params)
         self.validate_prompt(prompt, params)
         params = replace(params, extra_stop_ids=self.model_stop_ids)
@@ -437,7 +437,8 @@ class Engine:
             )
         else:  # AR rows fill their one slot (an infinite threshold): exactly is_mask
             fills = is_mask
-        logits = constrained.mask_logits(batch.plans, logits)  # after selection: raw entropies
+        # after selection, which reads the raw logits' entropies
+        logits = constrained.mask_logits(batch.plans, logit_bias.adjust_logits(batch.plans, logits))
         if not batch.any_sampling:
             return fills, greedy_tokens(logits)
         arrays = batch.sampling_arrays()

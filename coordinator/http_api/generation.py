@@ -43,7 +43,10 @@ def openai_encoder(backend: ApiBackend, body: GenerationFields) -> Encode:
             prompt = chat_prompt(body, backend.tokenizer, backend.context)
         else:
             prompt = completion_prompt(body, backend.tokenizer, backend.context)  # type: ignore[arg-type]
-        params = generation_params(body, len(prompt), backend.context, backend.default_max_tokens)
+        vocab = backend.admission.engine.config.vocab_size
+        params = generation_params(
+            body, len(prompt), backend.context, backend.default_max_tokens, vocab
+        )
         if isinstance(body, ChatCompletionRequest):
             grammars = backend.admission.engine.grammars
             grammar = response_format_grammar(body.response_format, grammars)

@@ -70,12 +70,12 @@ class GenerationFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # asked-for features this server does not have: refused, never silently ignored
     logprobs: Any = None
     top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(default=None, allow_inf_nan=False)  # vLLM's
     # WeDLM and sampling extras (extra_body)
     mode: Literal["auto", "wedlm", "ar", "speculative", "diffusion"] | None = None
     sampler: Literal["turbo", "faithful"] | None = None  # diffusion mode
@@ -117,11 +117,6 @@ class GenerationFields(_Body):
         """(field, why) for the first field that asks for what this server cannot do."""
         if self.n not in (None, 1):
             return "n", f"n must be 1 (one choice per request), got {self.n}"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                return name, f"{name} is not supported (use the WeDLM `penalty` field)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options applies only when stream is true"
         return None
