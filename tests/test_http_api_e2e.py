@@ -176,7 +176,7 @@ def test_completions_take_text_or_token_ids(cluster, client, model):
 
 
 BAD_FIELDS = [
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),

@@ -262,3 +262,35 @@ def test_bad_penalties_are_400(server, client, kw, param):
     with pytest.raises(openai.BadRequestError) as err:
         _chat(client, server, max_tokens=2, **kw)
     assert err.value.body["param"] == param
+
+
+# ---- n choices -----------------------------------------------------------------------
+
+
+def test_n_choices_are_independent_sequences(server, client):
+    args = {"max_tokens": 10, "temperature": 1.0, "seed": 5, "n": 3, "extra_body": {"mode": "ar"}}
+    whole = _chat(client, server, **args)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) > 1  # seeds 5, 6, 7
+    single = _chat(client, server, max_tokens=10, temperature=1.0, seed=5,
+                   extra_body={"mode": "ar"})  # fmt: skip
+    assert single.choices[0].message.content == texts[0]
+    assert whole.usage.completion_tokens == sum(
+        _chat(client, server, max_tokens=10, temperature=1.0, seed=s,
+              extra_body={"mode": "ar"}).usage.completion_tokens for s in (5, 6, 7))  # fmt: skip
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens
+    streamed = {0: "", 1: "", 2: ""}
+    finished, usage = set(), None
+    for chunk in _chat(client, server, stream=True, stream_options={"include_usage": True},
+                       **args):  # fmt: skip
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+        usage = chunk.usage or usage
+    assert [streamed[i] for i in range(3)] == texts and finished == {0, 1, 2}
+    assert usage.completion_tokens == whole.usage.completion_tokens
+    text = client.completions.create(model=server["model"], prompt="once", n=2, max_tokens=6,
+                                     temperature=1.0, seed=3)  # fmt: skip
+    assert [c.index for c in text.choices] == [0, 1]

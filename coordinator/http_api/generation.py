@@ -34,9 +34,10 @@ from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 Encode = Callable[[], tuple[list[int], GenerationParams]]
 
 
-def openai_encoder(backend: ApiBackend, body: GenerationFields) -> Encode:
+def openai_encoder(backend: ApiBackend, body: GenerationFields, choice: int = 0) -> Encode:
     """The prompt ids and GenerationParams of an OpenAI request, chat or text, as every
-    API adapter maps its own request into one (run by Generation.start on a worker thread)."""
+    API adapter maps its own request into one (run by Generation.start on a worker thread).
+    `choice` i of n > 1 samples with seed + i (each choice its own sequence)."""
 
     def encode() -> tuple[list[int], GenerationParams]:
         if isinstance(body, ChatCompletionRequest):
@@ -55,6 +56,8 @@ def openai_encoder(backend: ApiBackend, body: GenerationFields) -> Encode:
                 syntax = backend.tokenizer.tool_calling
                 grammar = tool_choice_grammar(body.tool_choice, tools, syntax, grammars) or grammar
             params = replace(params, grammar=grammar)
+        if choice:
+            params = replace(params, seed=(params.seed + choice) % 2**32)
         return prompt, params
 
     return encode

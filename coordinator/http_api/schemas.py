@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.generation_params import MAX_TOP_LOGPROBS
 
+MAX_CHOICES = 16  # n: choices per request (each its own sequence)
+
 
 class _Body(BaseModel):
     # Unknown fields are ignored (clients send vendor fields freely); fields that ask for
@@ -115,8 +117,8 @@ class GenerationFields(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field that asks for what this server cannot do."""
-        if self.n not in (None, 1):
-            return "n", f"n must be 1 (one choice per request), got {self.n}"
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            return "n", f"n must be between 1 and {MAX_CHOICES}, got {self.n}"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options applies only when stream is true"
         return None
