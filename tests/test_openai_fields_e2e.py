@@ -294,3 +294,19 @@ def test_n_choices_are_independent_sequences(server, client):
     text = client.completions.create(model=server["model"], prompt="once", n=2, max_tokens=6,
                                      temperature=1.0, seed=3)  # fmt: skip
     assert [c.index for c in text.choices] == [0, 1]
+
+
+def test_anthropic_tool_choice_any_and_tool(server):
+    import anthropic
+
+    tool = {"name": "get_time", "description": "the time now", "input_schema": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+        "required": ["zone"], "additionalProperties": False}}  # fmt: skip
+    client = anthropic.Anthropic(base_url=server["http"].removesuffix("/v1"), api_key="x")
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
+        message = client.messages.create(model=server["model"], max_tokens=120, tools=[tool],
+                                         tool_choice=choice, messages=QUESTION)  # fmt: skip
+        assert message.stop_reason == "tool_use"
+        use = next(b for b in message.content if b.type == "tool_use")
+        assert use.name == "get_time"
+        jsonschema.validate(use.input, tool["input_schema"])
