@@ -5,9 +5,10 @@ Prints one JSON object.
 Per C: wall time per committed token, unconstrained AR, constrained (AR: constrained
 requests decode one grammar-checked token per forward in every mode), and unconstrained
 WeDLM with its tokens per forward; and the mask's own host cost per token (llguidance's
-bitmask fill and token consumption, replayed over the constrained outputs).
+bitmask fill and token consumption), replayed over the constrained outputs and over a
+schema-valid document in a large vocabulary (--mask-tokenizer: SmolLM2's 49,152 tokens).
 
-  python benchmarks/grammar_cost.py --model default --concurrency 1 8 --tokens 48
+  python benchmarks/grammar_cost.py --model ../shared/models/stories260K --concurrency 1 8
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ PROMPTS = ["Describe a person as JSON.", "Give me a JSON record of a traveller."
 
 def run(local, concurrency: int, tokens: int, **kw) -> dict:
     engine, tokenizer = local.engine, local.tokenizer
-    prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)], chat=True) for i in range(concurrency)]
+    chat = tokenizer.has_chat_template
+    prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)], chat=chat) for i in range(concurrency)]
     params = GenerationParams(max_tokens=tokens, **kw)
     start = time.perf_counter()
     seqs = [engine.submit(p, params) for p in prompts]
@@ -70,9 +72,31 @@ def mask_cost(grammars, grammar: str, outputs: list[list[int]]) -> float:
     return round(1000 * spent / max(count, 1), 4)
 
 
+DOCUMENT = ('{"name":"Ada Lovelace","age":36,"city":"London","tags":["math","poetry",'
+            '"engines"]}')
+
+
+def replay_cost(model: str) -> dict:
+    """The mask's host cost per token with another (larger) tokenizer, replaying a
+    schema-valid document's tokens."""
+    from common.model_config import load_model_config
+    from common.tokenizer import Tokenizer
+    from coordinator.engine.constrained import Grammars
+
+    tokenizer = Tokenizer(model)
+    config = load_model_config(model)
+    grammars = Grammars(tokenizer, config.vocab_size, tokenizer.stop_ids)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults=JSON_OPTIONS)
+    ids = tokenizer.encode(DOCUMENT)
+    cost = min(mask_cost(grammars, grammar, [ids]) for _ in range(5))
+    return {"tokenizer": model, "vocab": config.vocab_size, "tokens": len(ids),
+            "mask_host_ms_per_token": cost}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--model", default="../shared/models/stories260K")
+    ap.add_argument("--mask-tokenizer", default="../shared/models/wedlm-smollm2-135m-r2")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--tokens", type=int, default=48)
     args = ap.parse_args()
@@ -80,13 +104,17 @@ def main() -> None:
     grammars = local.engine.grammars
     grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults=JSON_OPTIONS)
     grammars.check(grammar)
-    run(local, 1, 4, mode="ar")  # warm-up: kernels, the llguidance tokenizer
-    run(local, 1, 4, mode="ar", grammar=grammar)
+    wedlm = local.engine.config.mask_token_id < local.engine.config.vocab_size
+    for c in args.concurrency:  # warm-up: every shape's kernels, the llguidance tokenizer
+        for kw in ({}, {"grammar": grammar}):
+            run(local, c, args.tokens, mode="ar", **kw)
+        if wedlm:
+            run(local, c, args.tokens, mode="wedlm")
     results = []
     for c in args.concurrency:
         free = run(local, c, args.tokens, mode="ar")
         constrained = run(local, c, args.tokens, mode="ar", grammar=grammar)
-        wedlm = run(local, c, args.tokens, mode="wedlm")
+        parallel = run(local, c, args.tokens, mode="wedlm") if wedlm else {}
         overhead = constrained["ms_per_token"] / free["ms_per_token"] - 1
         results.append({
             "concurrency": c,
@@ -94,12 +122,13 @@ def main() -> None:
             "constrained_ms_per_token": constrained["ms_per_token"],
             "overhead_pct": round(100 * overhead, 1),
             "mask_host_ms_per_token": mask_cost(grammars, grammar, constrained["outputs"]),
-            "wedlm_ms_per_token": wedlm["ms_per_token"],
-            "wedlm_tokens_per_forward": wedlm["tokens_per_forward"],
+            "wedlm_ms_per_token": parallel.get("ms_per_token"),  # None: no mask token
+            "wedlm_tokens_per_forward": parallel.get("tokens_per_forward"),
             "constrained_tokens_per_forward": constrained["tokens_per_forward"],
         })  # fmt: skip
     print(json.dumps({"model": args.model, "vocab": grammars.vocab_size, "tokens": args.tokens,
-                      "results": results}, indent=1))  # fmt: skip
+                      "results": results, "large_vocab": replay_cost(args.mask_tokenizer)},
+                     indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":
