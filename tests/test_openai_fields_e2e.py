@@ -310,3 +310,17 @@ def test_anthropic_tool_choice_any_and_tool(server):
         use = next(b for b in message.content if b.type == "tool_use")
         assert use.name == "get_time"
         jsonschema.validate(use.input, tool["input_schema"])
+
+
+def test_ollama_logprobs(server):
+    client = ollama.Client(host=server["http"].removesuffix("/v1"))
+    args = {"model": server["model"], "messages": QUESTION, "logprobs": True,
+            "top_logprobs": 2, "options": {"num_predict": 8, "temperature": 0}}  # fmt: skip
+    whole = client.chat(stream=False, **args)
+    assert len(whole.logprobs) == whole.eval_count
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in whole.logprobs)
+    streamed = [e for part in client.chat(stream=True, **args) for e in part.logprobs or ()]
+    assert [e.token for e in streamed] == [e.token for e in whole.logprobs]
+    generated = client.generate(model=server["model"], prompt="once upon", raw=True,
+                                logprobs=True, options={"num_predict": 4})  # fmt: skip
+    assert len(generated.logprobs) == 4

@@ -79,7 +79,7 @@ API_SUPPORT = {
     "ollama": {"path": "/api/chat, /api/generate, /api/tags, /api/show, /api/version",
                "supports": ["stream (NDJSON)", "system", "raw", "options temperature/top_p/"
                             "top_k/num_predict/stop/seed", "tools", "model name or name:latest",
-                            "format json/schema"],
+                            "format json/schema", "logprobs"],
                "refuses": ["images", "think", "template", "suffix", "context"]},
 }  # fmt: skip
 
