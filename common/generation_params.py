@@ -23,6 +23,7 @@ MAX_DENOISING_STEPS = 1024
 DRAFT_SOURCES = ("auto", "mask", "lookup", "model")
 MAX_WINDOW = 64
 MAX_FORWARD_ROWS = 3 * MAX_WINDOW  # the widest decode forward of one sequence (forward_rows)
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,17 @@ class GenerationParams:
     draft: str = "auto"  # speculative mode's draft source (DRAFT_SOURCES)
     sampler: str = "turbo"  # diffusion mode's sampler (DIFFUSION_SAMPLERS)
     steps: int = 0  # diffusion mode: denoising steps per canvas at most (0: the model's)
+    # None: no logprobs; k >= 0: each committed token's logprob and its k likeliest
+    # alternatives (coordinator/engine/token_logprobs.py says under which forward)
+    logprobs: int | None = None
+    # an llguidance grammar the output must match (structured output); None: free text
+    grammar: str | None = None
+    # OpenAI's penalties on tokens already in the output, HF's on the prompt's and the
+    # output's (1: none), and additive biases per token id (coordinator/engine/logit_bias.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra_stop_ids: tuple[int, ...] = field(default=(), compare=False)  # model's EOS ids
 
     def __post_init__(self) -> None:
@@ -89,6 +101,19 @@ class GenerationParams:
             raise bad("stop strings must not be empty")
         if not 0 <= self.seed < 2**32:
             raise bad(f"seed must be in [0, 2^32), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise bad(f"{name} must be between -2 and 2, got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            raise bad(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        for token, value in self.logit_bias:
+            if token < 0:
+                raise bad(f"logit_bias: token ids are non-negative, got {token}")
+            if not (math.isfinite(value) and -100 <= value <= 100):
+                raise bad(f"logit_bias: values must be between -100 and 100, got {value}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise bad(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
     @property
     def forward_rows(self) -> int:
@@ -99,6 +124,13 @@ class GenerationParams:
             return 0  # canvases: the diffusion scheduler counts them (it knows their length)
         rows = {"ar": 1, "wedlm": 2 * self.window, "speculative": 3 * self.window}
         return rows.get(self.mode, 2 * self.window)  # "auto": as wedlm until resolved
+
+    @property
+    def penalized(self) -> bool:
+        """Whether its logits depend on the tokens before each choice (penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
     @property
     def all_stop_ids(self) -> frozenset[int]:

@@ -20,6 +20,7 @@ class ToolSyntax:
     end: str  # e.g. "</tool_call>"
     parse: Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools)
 
+
 # Instruct models end turns with these even when config.json names another EOS.
 _CHAT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
 
@@ -49,6 +50,9 @@ class Tokenizer:
         # with one character per byte: still a bound), so that a text that cannot fit a
         # context is known from its length alone.
         self.longest_token_chars = max(map(len, vocab), default=1)
+        from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+        self._byte_level = isinstance(self._wrapper._detokenizer, BPEStreamingDetokenizer)
 
     def vocabulary(self) -> dict[str, int]:
         """Token string → id, special tokens included."""
@@ -113,6 +117,19 @@ class Tokenizer:
         """What a user reads: the completion without special tokens."""
         return self._hf.decode(ids, skip_special_tokens=True)
 
+    @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer underneath (llguidance reads its vocabulary)."""
+        return self._hf
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may be part of a character:
+        its own decode would be U+FFFD)."""
+        piece = self._hf.convert_ids_to_tokens(int(token_id))
+        if self._byte_level and piece is not None and all(c in _BYTE_DECODER for c in piece):
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        return self.decode([int(token_id)]).encode()
+
     def detokenizer(self) -> TextStream:
         """A fresh streaming detokenizer for one sequence (mlx-lm hands out a reset copy)."""
         return TextStream(self._wrapper.detokenizer, self.special_ids)
@@ -157,3 +174,13 @@ def _keep_leading_space(wrapper) -> None:
     detok = wrapper._detokenizer
     if type(detok) is BPEStreamingDetokenizer:
         wrapper._detokenizer = ByteLevelStream(detok.tokenmap)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character → byte (mlx-lm's table)."""
+    from mlx_lm.tokenizer_utils import _byte_decoder as table
+
+    return dict(table())
+
+
+_BYTE_DECODER = _byte_decoder()

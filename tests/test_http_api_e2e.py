@@ -176,14 +176,14 @@ def test_completions_take_text_or_token_ids(cluster, client, model):
 
 
 BAD_FIELDS = [
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 10**6}, "max_tokens"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"stop": [""]}, "stop"),
     ({"seed": "seven"}, "seed"),
     ({"extra_body": {"window": 999}}, "window"),

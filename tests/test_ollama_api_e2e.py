@@ -144,7 +144,8 @@ def test_errors_in_ollama_shape(server, client):
     assert "maximum context length is 512 tokens" in err.value.error
     assert "options.num_predict" in err.value.error
     with pytest.raises(ollama.ResponseError) as err:
-        client.chat(model=server["model"], messages=TURNS, format="json", stream=False)
+        client.chat(model=server["model"], messages=TURNS, format={"type": "nonsense"},
+                    stream=False)  # fmt: skip
     assert err.value.status_code == 400 and "format" in err.value.error
     image = [{"role": "user", "content": "what is this?", "images": ["aGVsbG8="]}]
     with pytest.raises(ollama.ResponseError) as err:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -72,9 +73,8 @@ def test_bad_tool_arguments_and_unsupported_choices(tok):
     with pytest.raises(ApiError) as err:
         chat_prompt(_body(messages=[QUESTION, bad, RESULT], tools=[WEATHER]), tok, 2048)
     assert err.value.param == "messages[1].tool_calls[0].function.arguments"
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        field, why = _body(messages=[QUESTION], tools=[WEATHER], tool_choice=choice).unsupported()
-        assert field == "tool_choice" and "constrained decoding" in why
+    field, why = _body(messages=[QUESTION], tool_choice="required").unsupported()
+    assert field == "tool_choice" and "no tools" in why
 
 
 ANSWER = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
@@ -144,6 +144,45 @@ def test_requests_with_tools_answer(server, client):
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == second.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == second.choices[0].finish_reason
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(messages=[QUESTION], tool_choice="required", **args)
+    with pytest.raises(openai.BadRequestError) as err:  # no such tool
+        client.chat.completions.create(messages=[QUESTION], **args,
+                                       tool_choice={"type": "function",
+                                                    "function": {"name": "nope"}})  # fmt: skip
     assert err.value.body["param"] == "tool_choice"
+
+
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}  # fmt: skip
+WEATHER_SCHEMA = {**WEATHER["function"]["parameters"], "additionalProperties": False,
+                  "properties": {"city": {"type": "string", "maxLength": 6}}}  # fmt: skip
+STRICT_WEATHER = {"type": "function", "function": {**WEATHER["function"],
+                                                   "parameters": WEATHER_SCHEMA}}  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["ar", "wedlm"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "get_time"])
+def test_required_and_named_tool_choice_make_a_random_model_call(
+    server, client, mode, stream, choice
+):
+    """The grammar makes even a random model write a call that parses and validates."""
+    tool_choice = choice if choice == "required" else {
+        "type": "function", "function": {"name": choice}}  # fmt: skip
+    args = {"model": server["model"], "messages": [QUESTION], "tools": [STRICT_WEATHER, TIME],
+            "tool_choice": tool_choice, "max_tokens": 200,
+            "extra_body": {"mode": mode}}  # fmt: skip
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        calls = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or ()]
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+    else:
+        answer = client.chat.completions.create(**args)
+        calls, finish = answer.choices[0].message.tool_calls, answer.choices[0].finish_reason
+        assert answer.usage.mode == "ar"  # constrained output decodes one token per forward
+    assert finish == "tool_calls" and len(calls) == 1
+    name, arguments = calls[0].function.name, json.loads(calls[0].function.arguments)
+    schemas = {"get_weather": WEATHER_SCHEMA, "get_time": TIME["function"]["parameters"]}
+    if choice != "required":
+        assert name == choice
+    jsonschema.validate(arguments, schemas[name])

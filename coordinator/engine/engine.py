@@ -21,6 +21,7 @@ from common.generation_params import MAX_FORWARD_ROWS, GenerationParams
 from common.layer_runner import select_slots
 from common.model_parts import ModelParts
 from common.rows_spec import RowsSpec
+from coordinator.engine import constrained, logit_bias, token_logprobs
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, padded_width, row_bucket
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import PrefixCache
@@ -92,6 +93,7 @@ class Engine:
         self.undelivered: list[Commit] = []  # commits of a step that then failed
         self.drafter = None  # a DraftModel proposing speculative drafts (use_drafter)
         self._warned: set[str] = set()  # modes whose mode_warning was logged
+        self.grammars: constrained.Grammars | None = None  # structured output (use_grammars)
 
     def use_pipeline(self, pipeline: Pipeline, micro_batches: int) -> None:
         """Switch to another pipeline (e.g. once the workers are planned). Call while idle."""
@@ -147,10 +149,15 @@ class Engine:
         )
 
     def submit(self, prompt: list[int], params: GenerationParams) -> Sequence:
-        params = self.resolve_drafts(self.resolve_mode(params))
+        params = constrained.sequential_params(self.resolve_mode(params))
+        params = self.resolve_drafts(params)
         self.validate_prompt(prompt, params)
         params = replace(params, extra_stop_ids=self.model_stop_ids)
         seq = Sequence(next(self._ids), list(prompt), params, text_tail=self.text_tail)
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise InvalidRequest("structured output needs the tokenizer (use_grammars)")
+            seq.matcher = self.grammars.matcher(params.grammar)
         seq.warning = self.mode_warning(params)
         if seq.warning and params.mode not in self._warned:
             self._warned.add(params.mode)  # once per mode: a busy server would repeat it
@@ -224,6 +231,7 @@ class Engine:
             # without a forward): keep those commits for whoever handles the failure.
             self.undelivered += commits
             raise
+        token_logprobs.attach(commits)
         done = self.scheduler.reap({p.seq.seq_id for f in self.in_flight for p in f.plans})
         gone = self._keep_cached(done)
         if gone:  # their ids are never used again: the workers may drop them at leisure
@@ -248,6 +256,10 @@ class Engine:
             else:
                 cache.insert(seq.seq_id, tokens, self.scheduler.limits.kv_tokens)
         return untrusted + cache.take_dropped()
+
+    def use_grammars(self, grammars: constrained.Grammars) -> None:
+        """Decode requests with a grammar (structured output) through these matchers."""
+        self.grammars = grammars
 
     def use_drafter(self, drafter) -> None:
         """Propose speculative drafts with this DraftModel (draft source "model")."""
@@ -310,10 +322,11 @@ class Engine:
         if flight.unresolved:  # a look-ahead WeDLM forward returned every slot
             rows = len(flight.plans)
             hidden = select_slots(hidden[:rows], flight.batch.head_slots)
-        fills, tokens = self._select(flight.batch, hidden)
+        fills, tokens, logprobs = self._select(flight.batch, hidden)
         # Queue this step's selection before the look-ahead forward: the device runs its
         # work in order, so the sync below then waits for step t only, not for t+1.
-        mx.async_eval(fills, tokens)
+        extra = logprobs.arrays() if logprobs is not None else []
+        mx.async_eval(fills, tokens, *extra)
         ahead = self._launch_ahead(flight, tokens) or self._launch_wedlm_ahead(
             flight, fills, tokens
         )
@@ -329,11 +342,17 @@ class Engine:
             except Exception:
                 self.undelivered += commits  # finished without a forward: still delivered
                 raise
-        mx.eval(fills, tokens)  # the one host sync of this micro-batch
+        mx.eval(fills, tokens, *extra)  # the one host sync of this micro-batch
         self.forwards += 1
+        before = [len(p.seq.output) for p in flight.plans]
+        window_steps = token_logprobs.wedlm_decoding(flight.plans)
+        fills_np, tokens_np = np.array(fills), np.array(tokens)
         commits += self.scheduler.postprocess(
-            flight.unit, flight.plans, np.array(fills), np.array(tokens), flight.started
+            flight.unit, flight.plans, fills_np, tokens_np, flight.started
         )
+        constrained.advance(flight.plans, before)
+        if logprobs is not None:
+            token_logprobs.record(logprobs, flight.plans, before, tokens_np, fills_np, window_steps)
         self._unpin_forks(flight.plans)
         if ahead:
             self.scheduler.busy.add(flight.unit)
@@ -468,14 +487,22 @@ class Engine:
             for g, group in enumerate(sched.groups)
         )
 
-    def _select(self, batch: TickBatch, hidden: mx.array) -> tuple[mx.array, mx.array]:
-        """Head on the needed rows, selection and sampling on the device, left lazy. Only
-        what the batch needs is built: every op here sits between two forwards on the
-        device, so a greedy autoregressive batch pays for the head and an argmax only."""
+    def _select(
+        self, batch: TickBatch, hidden: mx.array
+    ) -> tuple[mx.array, mx.array, token_logprobs.SlotLogprobs | None]:
+        """Head on the needed rows, selection and sampling on the device, left lazy, and
+        the logprobs of rows that ask. Only what the batch needs is built: every op here
+        sits between two forwards on the device, so a greedy autoregressive batch pays for
+        the head and an argmax only."""
         rows = len(batch.plans)
         if not batch.wants_head:
-            return mx.zeros((rows, 0), mx.bool_), mx.zeros((rows, 0), mx.int32)
+            return mx.zeros((rows, 0), mx.bool_), mx.zeros((rows, 0), mx.int32), None
         logits = self.parts.head(hidden[:rows])  # the pipeline returned the head slots only
+        fills, tokens = self._choose(batch, logits)
+        return fills, tokens, token_logprobs.slot_logprobs(batch.plans, logits, tokens)
+
+    def _choose(self, batch: TickBatch, logits: mx.array) -> tuple[mx.array, mx.array]:
+        """Selection (which slots fill) and sampling (with which tokens)."""
         if batch.any_selection or batch.any_sampling:
             logits = logits.astype(mx.float32)  # entropy and sampling work in float32
         is_mask = mx.array(batch.head_is_mask)
@@ -490,6 +517,8 @@ class Engine:
             )
         else:  # AR rows fill their one slot (an infinite threshold): exactly is_mask
             fills = is_mask
+        # after selection, which reads the raw logits' entropies
+        logits = constrained.mask_logits(batch.plans, logit_bias.adjust_logits(batch.plans, logits))
         if not batch.any_sampling:
             return fills, greedy_tokens(logits)
         arrays = batch.sampling_arrays()

@@ -9,6 +9,7 @@ from common import host_info
 from common.kv_format import FULL, KVFormat
 from common.model_parts import load_model_parts
 from common.tokenizer import Tokenizer
+from coordinator.engine.constrained import Grammars
 from coordinator.engine.engine import Engine
 from coordinator.engine.engine_for import engine_for
 from coordinator.engine.pipeline import LocalPipeline
@@ -52,4 +53,5 @@ def open_local_engine(
         stop_ids=tokenizer.stop_ids,
         prefix_cache=prefix_cache,
     )
+    engine.use_grammars(Grammars(tokenizer, parts.config.vocab_size, engine.model_stop_ids))
     return LocalEngine(engine, tokenizer)

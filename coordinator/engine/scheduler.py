@@ -48,6 +48,7 @@ class Limits:
 class Commit:
     seq: Sequence
     tokens: list[int]  # newly committed (may be empty when only finishing)
+    logprobs: list | None = None  # TokenLogprob per token, when the request asks
 
 
 @dataclass

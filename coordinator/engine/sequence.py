@@ -52,6 +52,9 @@ class Sequence:
     prefill_started: float | None = None
     decode_started: float | None = None
     text_tail: Callable[[list[int]], str] | None = field(default=None, repr=False)
+    # params.logprobs: chosen tokens' logprobs by output index until they commit
+    token_logprobs: dict[int, Any] = field(default_factory=dict, repr=False)
+    matcher: Any = field(default=None, repr=False)  # params.grammar's state (constrained.py)
 
     @property
     def finished(self) -> bool:

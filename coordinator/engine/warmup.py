@@ -197,9 +197,9 @@ class _Warmer:
         engine.pipeline.submit(batch_id, batch.spec, hidden, batch.reply_slots())
         got, hidden = engine.pipeline.collect()
         assert got == batch_id, "warm-up runs one forward at a time"
-        outs = list(engine._select(batch, hidden))
+        outs = list(engine._select(batch, hidden)[:2])
         if sample and batch.wants_head:
-            outs += engine._select(_sampled(batch), hidden)
+            outs += engine._select(_sampled(batch), hidden)[:2]
         mx.eval(hidden, *outs)
         lengths += batch.spec.keeps
         self.forwards += 1

@@ -119,9 +119,9 @@ def _tool_result_text(block: Block) -> str:
 
 def to_openai(body: CountRequest, max_tokens: int | None = None) -> ChatCompletionRequest:
     """The OpenAI chat request this Messages request means."""
-    if body.tool_choice and body.tool_choice.get("type") not in ("auto", "none"):
-        raise ApiError(400, "tool_choice: only auto and none are supported (any and a named "
-                       "tool need constrained decoding)", "tool_choice")  # fmt: skip
+    choice = (body.tool_choice or {}).get("type")
+    if choice not in (None, "auto", "none", "any", "tool"):
+        raise ApiError(400, "tool_choice.type: auto, none, any or tool", "tool_choice")
     messages: list[dict[str, Any]] = []
     if body.system:
         messages.append({"role": "system", "content": _text(0, body.system, "system")})
@@ -154,8 +154,12 @@ def to_openai(body: CountRequest, max_tokens: int | None = None) -> ChatCompleti
         fields["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": t.input_schema}}
             for t in body.tools]  # fmt: skip
-        if body.tool_choice and body.tool_choice.get("type") == "none":
-            fields["tool_choice"] = "none"
+        # any and a named tool: OpenAI's required and named function (a grammar)
+        if choice in ("none", "any"):
+            fields["tool_choice"] = "required" if choice == "any" else "none"
+        elif choice == "tool":
+            name = body.tool_choice.get("name")  # type: ignore[union-attr]
+            fields["tool_choice"] = {"type": "function", "function": {"name": name}}
     if isinstance(body, MessagesRequest):
         fields.update(stop=body.stop_sequences, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k)  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -18,7 +19,13 @@ from common.generation_params import GenerationParams
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import ApiError
 from coordinator.http_api.job_events import JobEvents
-from coordinator.http_api.request_mapping import chat_prompt, completion_prompt, generation_params
+from coordinator.http_api.request_mapping import (
+    chat_prompt,
+    chat_tools,
+    completion_prompt,
+    generation_params,
+)
+from coordinator.http_api.response_format import response_format_grammar, tool_choice_grammar
 from coordinator.http_api.schemas import ChatCompletionRequest, GenerationFields
 from coordinator.http_api.stop_text import StopText, trim_at_stop
 from coordinator.service.jobs import Job
@@ -27,30 +34,46 @@ from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 Encode = Callable[[], tuple[list[int], GenerationParams]]
 
 
-def openai_encoder(backend: ApiBackend, body: GenerationFields) -> Encode:
+def openai_encoder(backend: ApiBackend, body: GenerationFields, choice: int = 0) -> Encode:
     """The prompt ids and GenerationParams of an OpenAI request, chat or text, as every
-    API adapter maps its own request into one (run by Generation.start on a worker thread)."""
+    API adapter maps its own request into one (run by Generation.start on a worker thread).
+    `choice` i of n > 1 samples with seed + i (each choice its own sequence)."""
 
     def encode() -> tuple[list[int], GenerationParams]:
         if isinstance(body, ChatCompletionRequest):
             prompt = chat_prompt(body, backend.tokenizer, backend.context)
         else:
             prompt = completion_prompt(body, backend.tokenizer, backend.context)  # type: ignore[arg-type]
-        params = generation_params(body, len(prompt), backend.context, backend.default_max_tokens)
+        vocab = backend.admission.engine.config.vocab_size
+        params = generation_params(
+            body, len(prompt), backend.context, backend.default_max_tokens, vocab
+        )
+        if isinstance(body, ChatCompletionRequest):
+            grammars = backend.admission.engine.grammars
+            grammar = response_format_grammar(body.response_format, grammars)
+            if body.tools_in_use() and backend.tokenizer.tool_calling is not None:
+                tools = chat_tools(body) or []
+                syntax = backend.tokenizer.tool_calling
+                grammar = tool_choice_grammar(body.tool_choice, tools, syntax, grammars) or grammar
+            params = replace(params, grammar=grammar)
+        if choice:
+            params = replace(params, seed=(params.seed + choice) % 2**32)
         return prompt, params
 
     return encode
 
 
 class CommitText(str):
-    """Text of committed tokens, with the forwards (commits) and tokens it carries."""
+    """Text of committed tokens, with the forwards (commits) and tokens it carries, and
+    those tokens' logprobs (TokenLogprob each; empty unless the request asks)."""
 
     forwards: int
     tokens: int
+    logprobs: list
 
-    def __new__(cls, text: str, forwards: int, tokens: int) -> CommitText:
+    def __new__(cls, text: str, forwards: int, tokens: int, logprobs: list = ()) -> CommitText:
         piece = super().__new__(cls, text)
-        piece.forwards, piece.tokens = forwards, tokens
+        piece.forwards, piece.tokens, piece.logprobs = forwards, tokens, list(logprobs)
         return piece
 
 
@@ -88,18 +111,21 @@ class Generation:
         job is cancelled then."""
         trimmer = StopText(self.stops)
         forwards = tokens = 0  # committed since the last piece
+        logprobs: list = []  # of those tokens (a piece held back keeps them)
         try:
             while (event := await self.events.next(self.request, merge)) is not None:
                 if event[0] == "tokens":
                     forwards, tokens = forwards + event[3], tokens + len(event[1])
+                    logprobs += event[4]
                     if text := trimmer.add(event[2]):
-                        yield CommitText(text, forwards, tokens)
+                        yield CommitText(text, forwards, tokens, logprobs)
                         forwards = tokens = 0
+                        logprobs = []
                     continue
                 result = event[1]
                 if not result.get("error"):
                     if tail := trimmer.finish():
-                        yield CommitText(tail, forwards, tokens)
+                        yield CommitText(tail, forwards, tokens, logprobs)
                     result = self._trimmed(result)
                 yield result
                 return
@@ -138,7 +164,7 @@ def failure(result: dict[str, Any]) -> ApiError:
 
 
 def finish_reason(result: dict[str, Any]) -> str:
-    """"stop" (EOS, a stop id or string), "length" (the limit or the context), or "abort"
+    """ "stop" (EOS, a stop id or string), "length" (the limit or the context), or "abort"
     (cancelled, expired)."""
     return {"stop": "stop", "length": "length"}.get(result.get("finish_reason") or "", "abort")
 

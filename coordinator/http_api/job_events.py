@@ -28,9 +28,10 @@ class JobEvents:
 
     async def next(self, request: Request, merge: bool = True) -> tuple | None:
         """The next event, with the commits already waiting merged into one
-        ("tokens", ids, text, commits) so that a busy tick sends one chunk, not many
-        (merge=False: one commit, one forward's tokens, per event); None when the client
-        disconnected."""
+        ("tokens", ids, text, commits, logprobs) so that a busy tick sends one chunk, not
+        many (merge=False: one commit, one forward's tokens, per event; logprobs: the
+        TokenLogprob of each id, empty when the request asked for none); None when the
+        client disconnected."""
         while not self._events:  # under load commits usually wait already: no timer then
             self._arrived.clear()
             try:
@@ -42,8 +43,10 @@ class JobEvents:
         if event[0] != "tokens":
             return event
         ids, text = list(event[1]), [event[2] or ""]
+        logprobs = list(event[3] or ())
         while merge and self._events and self._events[0][0] == "tokens":  # final waits its turn
             more = self._events.popleft()
             ids += more[1]
             text.append(more[2] or "")
-        return ("tokens", ids, "".join(text), len(text))
+            logprobs += more[3] or ()
+        return ("tokens", ids, "".join(text), len(text), logprobs)

@@ -6,7 +6,8 @@ same mapping, admission, events, stop trimming and cancellation serve it
 
 Ollama's runtime options (num_ctx, num_gpu, keep_alive, ...) are ignored, as Ollama itself
 ignores options a model does not use; what would change the answer in a way this server
-cannot do (images, format, think, a custom template, context) is refused with a 400."""
+cannot do (images, think, a custom template, context) is refused with a 400; `format`
+(json or a schema) becomes response_format."""
 
 from __future__ import annotations
 
@@ -25,7 +26,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import ApiError, from_refusal, validation_problem
 from coordinator.http_api.body_parsing import parse_body
-from coordinator.http_api.generation import Generation, failure, finish_reason, openai_encoder
+from coordinator.http_api.generation import (
+    CommitText,
+    Generation,
+    failure,
+    finish_reason,
+    openai_encoder,
+)
+from coordinator.http_api.logprobs_format import LogprobText
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
     chat_tools,
@@ -40,7 +48,8 @@ NDJSON = "application/x-ndjson"
 # OpenAI field names the shared mapping reports → this API's
 _FIELDS = {"max_tokens": "options.num_predict", "temperature": "options.temperature",
            "top_p": "options.top_p", "top_k": "options.top_k", "stop": "options.stop",
-           "seed": "options.seed"}  # fmt: skip
+           "seed": "options.seed", "response_format.json_schema.schema": "format",
+           "response_format": "format", "logprobs": "top_logprobs"}  # fmt: skip
 
 
 class _Body(BaseModel):
@@ -81,6 +90,8 @@ class _Generating(_Body):
     format: Any = None
     think: Any = None
     keep_alive: Any = None
+    logprobs: bool = False  # each token's logprob (and top_logprobs alternatives)
+    top_logprobs: int | None = None
 
 
 class ChatRequest(_Generating):
@@ -114,9 +125,19 @@ def _api_error(err: ApiError) -> JSONResponse:
     return _error(err.status, message)
 
 
+def _response_format(body: _Generating) -> dict[str, Any]:
+    """Ollama's `format` ("json" or a JSON schema) as OpenAI's response_format field."""
+    if not body.format:
+        return {}
+    if body.format == "json":
+        return {"response_format": {"type": "json_object"}}
+    if isinstance(body.format, dict):
+        schema = {"name": "format", "schema": body.format}
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    raise ApiError(400, f"format: 'json' or a JSON schema, got {body.format!r}")
+
+
 def _refuse_extras(body: _Generating, images: bool) -> None:
-    if body.format:
-        raise ApiError(400, "format: structured outputs (json, a schema) are not supported")
     if body.think not in (None, False):
         raise ApiError(400, "think: this server's models do not support thinking")
     if images:
@@ -132,6 +153,15 @@ def _sampling(body: _Generating) -> dict[str, Any]:
         raise ApiError(400, "options.num_predict must be at least 1 (or -1: no limit)")
     return {"max_tokens": max_tokens, "temperature": o.temperature, "top_p": o.top_p,
             "top_k": o.top_k, "stop": o.stop, "seed": o.seed}  # fmt: skip
+
+
+def _logprobs(body: _Generating, chat: bool) -> dict[str, Any]:
+    """Ollama's logprobs fields as chat's (logprobs, top_logprobs) or completions' (k)."""
+    if not body.logprobs:
+        return {"top_logprobs": body.top_logprobs} if body.top_logprobs else {}
+    if chat:
+        return {"logprobs": True, "top_logprobs": body.top_logprobs}
+    return {"logprobs": body.top_logprobs or 0}
 
 
 def _openai_call(call: ToolCall, i: int, j: int) -> dict[str, Any]:
@@ -154,6 +184,7 @@ def chat_to_openai(body: ChatRequest) -> ChatCompletionRequest:
             message["name"] = m.tool_name
         messages.append(message)
     fields = {"model": body.model, "messages": messages, **_sampling(body)}
+    fields.update(_response_format(body), **_logprobs(body, True))
     if body.tools:
         fields["tools"] = body.tools
     return ChatCompletionRequest.model_validate(fields)
@@ -171,14 +202,18 @@ def generate_to_openai(body: GenerateRequest, chat: bool):
     if body.context:
         raise ApiError(400, "context: not supported (send the conversation to /api/chat)")
     if not chat:
+        if body.format:
+            raise ApiError(400, "format: structured output needs a chat prompt (raw false)")
         return CompletionRequest.model_validate(
-            {"model": body.model, "prompt": body.prompt, **_sampling(body)}
-        )
+            {"model": body.model, "prompt": body.prompt, **_sampling(body),
+             **_logprobs(body, False)}
+        )  # fmt: skip
     messages = [{"role": "system", "content": body.system}] if body.system else []
     messages.append({"role": "user", "content": body.prompt})
     return ChatCompletionRequest.model_validate(
-        {"model": body.model, "messages": messages, **_sampling(body)}
-    )
+        {"model": body.model, "messages": messages, **_sampling(body), **_response_format(body),
+         **_logprobs(body, True)}
+    )  # fmt: skip
 
 
 def _now() -> str:
@@ -209,6 +244,8 @@ def _stats(result: dict[str, Any], started_ns: int) -> dict[str, Any]:
 
 
 def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaphore) -> None:
+    token_text = LogprobText(backend.tokenizer)
+
     def served(name: str | None) -> bool:
         base = backend.model_name.removesuffix(":latest")
         return name in (base, f"{base}:latest")
@@ -260,14 +297,16 @@ def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaph
         if isinstance(chat, ChatCompletionRequest) and chat.tools_in_use():
             tools = (backend.tokenizer.tool_calling, chat_tools(chat))
         head = {"model": body.model, "created_at": ""}
+        logprobs = gen.job.params.logprobs is not None
 
-        def piece(text: str, calls: list | None = None) -> dict[str, Any]:
+        def piece(text: str, calls: list | None = None, entries: list = ()) -> dict[str, Any]:
+            extra = {"logprobs": token_text.chat(entries)["content"]} if logprobs else {}
             if kind == "prompt":
-                return {**head, "created_at": _now(), "response": text, "done": False}
+                return {**head, "created_at": _now(), "response": text, "done": False, **extra}
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
                 message["tool_calls"] = [_ollama_call(c) for c in calls]
-            return {**head, "created_at": _now(), "message": message, "done": False}
+            return {**head, "created_at": _now(), "message": message, "done": False, **extra}
 
         if body.stream:
             return StreamingResponse(_stream(gen, piece, tools, started), media_type=NDJSON)
@@ -279,7 +318,8 @@ def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaph
         text, calls = result["text"], []
         if tools is not None:
             text, calls = split_tool_calls(tools[0], text, tools[1])
-        return JSONResponse({**piece(text, calls), **_stats(result, started)})
+        whole = piece(text, calls, gen.job.logprobs)
+        return JSONResponse({**whole, **_stats(result, started)})
 
     async def _stream(gen: Generation, piece, tools, started: int):
         splitter = ToolCallStream(*tools) if tools is not None else None
@@ -289,6 +329,9 @@ def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaph
                 yield _line(piece(p) if isinstance(p, str) else piece("", p))
 
         async for p in gen.pieces():
+            if isinstance(p, CommitText) and splitter is None:
+                yield _line(piece(p, None, p.logprobs))
+                continue
             if isinstance(p, str):
                 for line in lines(splitter.add(p) if splitter else [p]):
                     yield line

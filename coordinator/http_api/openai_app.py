@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -38,6 +39,7 @@ from coordinator.http_api.generation import (
     finish_reason,
     openai_encoder,
 )
+from coordinator.http_api.logprobs_format import LogprobText
 from coordinator.http_api.ollama_app import add_ollama_routes
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
@@ -53,30 +55,32 @@ from coordinator.service.admission import Refused
 API_SUPPORT = {
     "openai_chat": {"path": "/v1/chat/completions",
                     "supports": ["stream", "stop", "temperature", "top_p", "seed", "tools",
-                                 "tool_choice auto/none", "max_completion_tokens"],
-                    "refuses": ["n>1", "logprobs", "presence/frequency penalties",
-                                "logit_bias", "response_format json", "tool_choice required/"
-                                "named"]},
+                                 "tool_choice auto/none/required/named",
+                                 "max_completion_tokens", "logprobs", "top_logprobs<=20",
+                                 "response_format json_object/json_schema", "n<=16",
+                                 "presence/frequency penalties", "logit_bias",
+                                 "repetition_penalty"],
+                    "refuses": ["response_format with a required tool call"]},
     "openai_completions": {"path": "/v1/completions",
                            "supports": ["stream", "stop", "temperature", "top_p", "seed",
-                                        "token-id prompts"],
-                           "refuses": ["n>1", "best_of>1", "echo", "suffix", "logprobs"]},
+                                        "token-id prompts", "logprobs<=20", "n<=16",
+                                        "penalties", "logit_bias"],
+                           "refuses": ["best_of>1", "echo", "suffix"]},
     "anthropic_messages": {"path": "/v1/messages",
                            "supports": ["system", "stream", "stop_sequences", "temperature",
                                         "top_p", "top_k", "tool_use/tool_result blocks",
-                                        "count_tokens"],
-                           "refuses": ["image/document blocks", "thinking",
-                                       "tool_choice any/tool"]},
+                                        "count_tokens", "tool_choice any/tool"],
+                           "refuses": ["image/document blocks", "thinking"]},
     "openai_responses": {"path": "/v1/responses",
                          "supports": ["input string or message items", "instructions",
                                       "max_output_tokens", "temperature", "top_p", "stream"],
                          "refuses": ["store true", "previous_response_id", "background",
-                                     "tools", "text.format json", "non-text input"]},
+                                     "tools", "non-text input"]},
     "ollama": {"path": "/api/chat, /api/generate, /api/tags, /api/show, /api/version",
                "supports": ["stream (NDJSON)", "system", "raw", "options temperature/top_p/"
-                            "top_k/num_predict/stop/seed", "tools", "model name or name:latest"],
-               "refuses": ["images", "format json/schema", "think", "template", "suffix",
-                           "context"]},
+                            "top_k/num_predict/stop/seed", "tools", "model name or name:latest",
+                            "format json/schema", "logprobs"],
+               "refuses": ["images", "think", "template", "suffix", "context"]},
 }  # fmt: skip
 
 
@@ -87,29 +91,48 @@ def _sse(payload: dict[str, Any]) -> str:
 class _Reply:
     """The ids, object names and shapes of one request's answer (chat or text)."""
 
-    def __init__(self, chat: bool, model: str) -> None:
+    def __init__(self, chat: bool, model: str, index: int = 0, first: _Reply | None = None):
+        """`index`: the choice (n > 1); `first`: choice 0's reply, whose id it shares."""
         self.chat = chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = first.id if first else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model = model
-        self.created = int(time.time())
+        self.created = first.created if first else int(time.time())
+        self.index = index
         self.call_index = 0  # of the next streamed tool call
+        self.text_offset = 0  # completions' logprobs: characters answered so far
         # A text chunk is this prefix, the JSON string, this suffix: built once per
         # request, since a stream sends one per commit.
         head = _sse(self._envelope("chat.completion.chunk" if chat else "text_completion", []))
         head = head.removesuffix("]}\n\n")
         if chat:
-            self._text_prefix = head + '{"index":0,"delta":{"content":'
+            self._text_prefix = head + f'{{"index":{index},"delta":{{"content":'
             self._text_suffix = '},"finish_reason":null,"logprobs":null}]}\n\n'
         else:
-            self._text_prefix = head + '{"index":0,"text":'
+            self._text_prefix = head + f'{{"index":{index},"text":'
             self._text_suffix = ',"finish_reason":null,"logprobs":null}]}\n\n'
 
     def _envelope(self, obj: str, choices: list, **extra) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}  # fmt: skip
 
-    def text_chunk(self, text: str) -> str:
-        return self._text_prefix + json.dumps(text) + self._text_suffix
+    def text_chunk(self, text: str, logprobs: dict[str, Any] | None = None) -> str:
+        if logprobs is None:
+            return self._text_prefix + json.dumps(text) + self._text_suffix
+        if self.chat:
+            choice = {"index": self.index, "delta": {"content": text}, "finish_reason": None,
+                      "logprobs": logprobs}  # fmt: skip
+            return _sse(self._envelope("chat.completion.chunk", [choice]))
+        choice = {"index": self.index, "text": text, "finish_reason": None, "logprobs": logprobs}
+        return _sse(self._envelope("text_completion", [choice]))
+
+    def logprobs(self, entries: list, text: LogprobText) -> dict[str, Any]:
+        """Entries in this API's shape (completions count characters across chunks)."""
+        if self.chat:
+            return text.chat(entries)
+        found = text.completion(entries, self.text_offset)
+        if found["tokens"]:
+            self.text_offset = found["text_offset"][-1] + len(found["tokens"][-1])
+        return found
 
     def commit_chunk(self, text: str, forwards: int, tokens: int) -> str:
         """A text chunk that also says how many forwards committed it (stream_commits)."""
@@ -121,9 +144,11 @@ class _Reply:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": self.index, "delta": delta, "finish_reason": finish,
+                      "logprobs": None}  # fmt: skip
             return _sse(self._envelope("chat.completion.chunk", [choice]))
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": self.index, "text": text or "", "finish_reason": finish,
+                  "logprobs": None}  # fmt: skip
         return _sse(self._envelope("text_completion", [choice]))
 
     def usage_chunk(self, usage: dict[str, int]) -> str:
@@ -136,21 +161,27 @@ class _Reply:
         for call in calls:
             deltas.append({"index": self.call_index, **call})
             self.call_index += 1
-        choice = {"index": 0, "delta": {"tool_calls": deltas}, "finish_reason": None,
+        choice = {"index": self.index, "delta": {"tool_calls": deltas}, "finish_reason": None,
                   "logprobs": None}  # fmt: skip
         return _sse(self._envelope("chat.completion.chunk", [choice]))
 
     def whole(
-        self, text: str, finish: str, usage: dict[str, int], calls: list | None = None
+        self,
+        text: str,
+        finish: str,
+        usage: dict[str, int],
+        calls: list | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if calls:
                 message["content"] = text or None
                 message["tool_calls"] = calls
-            choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+            choice = {"index": self.index, "message": message, "finish_reason": finish,
+                      "logprobs": logprobs}  # fmt: skip
             return self._envelope("chat.completion", [choice], usage=usage)
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": self.index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         return self._envelope("text_completion", [choice], usage=usage)
 
 
@@ -175,6 +206,48 @@ def _usage(result: dict[str, Any]) -> dict[str, Any]:
     return usage
 
 
+def _usage_of(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Usage of n choices: the prompt once (as OpenAI counts it), the completions' tokens
+    and forwards summed."""
+    usage = _usage(results[0])
+    for result in results[1:]:
+        more = _usage(result)
+        usage["completion_tokens"] += more["completion_tokens"]
+        usage["total_tokens"] += more["completion_tokens"]
+        usage["forwards"] += more["forwards"]
+    return usage
+
+
+async def _merged(streams: list) -> AsyncIterator[Any]:
+    """The items of several async iterators as each comes (one alone: as it is)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(stream) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(drain(s)) for s in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:  # the client went away, or a choice failed: stop the others
+            task.cancel()
+
+
 def build_app(backend: ApiBackend) -> FastAPI:
     app = FastAPI(title="wedlm-cluster", docs_url=None, redoc_url=None)
     app.add_exception_handler(RequestValidationError, on_validation_error)
@@ -193,6 +266,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
             expose_headers=["*"],
         )
     app.add_middleware(CountRequests, metrics=backend.metrics)
+    token_text = LogprobText(backend.tokenizer)
 
     async def authorized(authorization: str | None = Header(default=None)) -> None:
         if not backend.key_matches(authorization):
@@ -205,50 +279,88 @@ def build_app(backend: ApiBackend) -> FastAPI:
             raise ApiError(404, f"The model {name!r} does not exist: this server serves "
                            f"{backend.model_name!r}", "model", "model_not_found")  # fmt: skip
 
-    async def start(request: Request, body: GenerationFields, chat: bool) -> Generation:
+    async def start(request: Request, body: GenerationFields, choice: int = 0) -> Generation:
         check_model(body.model)
 
         try:
-            return await Generation.start(backend, request, openai_encoder(backend, body))
+            return await Generation.start(backend, request, openai_encoder(backend, body, choice))
         except Refused as e:
             raise from_refusal(e, body.limit_field(), PARAM_FIELDS, body.prompt_field()) from None
 
     async def answer(request: Request, body: GenerationFields, chat: bool):
-        gen = await start(request, body, chat)
-        reply = _Reply(chat, backend.model_name)
+        gens = [await start(request, body)]
+        try:  # n > 1: independent sequences (seeds seed, seed + 1, ...)
+            gens += [await start(request, body, i) for i in range(1, body.n or 1)]
+        except Exception:
+            for gen in gens:
+                gen.cancel()
+            raise
+        replies = [_Reply(chat, backend.model_name)]
+        replies += [_Reply(chat, backend.model_name, i, replies[0]) for i in range(1, len(gens))]
         tools = None
         if chat and body.tools_in_use():  # type: ignore[attr-defined]
             tools = (backend.tokenizer.tool_calling, chat_tools(body))  # type: ignore[arg-type]
+        logprobs = gens[0].job.params.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return event_stream(_stream(gen, reply, include_usage, tools, body.stream_commits))
-        result = await gen.result()
-        if result is None:
+            streams = [_choice_stream(g, r, tools, body.stream_commits, logprobs)
+                       for g, r in zip(gens, replies, strict=True)]  # fmt: skip
+            return event_stream(_stream(streams, replies, include_usage))
+        results = await asyncio.gather(*(g.result() for g in gens))
+        if any(r is None for r in results):
             return JSONResponse(error_body(499, "the client disconnected"), 499)
-        if result.get("error"):
-            raise failure(result)
-        text, calls = result["text"], []
-        if tools is not None:
-            text, calls = split_tool_calls(tools[0], text, tools[1])
-        reason = finish_reason(result)
-        if calls and reason == "stop":
-            reason = "tool_calls"
-        return JSONResponse(reply.whole(text, reason, _usage(result), calls))
+        for result in results:
+            if result.get("error"):
+                raise failure(result)
+        answers = []
+        for gen, reply, result in zip(gens, replies, results, strict=True):
+            text, calls = result["text"], []
+            if tools is not None:
+                text, calls = split_tool_calls(tools[0], text, tools[1])
+            reason = finish_reason(result)
+            if calls and reason == "stop":
+                reason = "tool_calls"
+            found = reply.logprobs(gen.job.logprobs, token_text) if logprobs else None
+            answers.append(reply.whole(text, reason, _usage(result), calls, found))
+        whole = answers[0]
+        whole["choices"] = [a["choices"][0] for a in answers]
+        whole["usage"] = _usage_of(results)
+        return JSONResponse(whole)
 
-    async def _stream(gen: Generation, reply: _Reply, include_usage: bool, tools, commits: bool):
-        """`commits` (stream_commits): a chunk per commit, saying how many forwards and
-        tokens it carries (the console groups the tokens of one forward)."""
+    async def _stream(streams: list, replies: list[_Reply], include_usage: bool):
+        """The choices' chunks as they come (interleaved when n > 1), then the usage of
+        all and [DONE]. Each choice stream yields SSE text, then its result record."""
+        if replies[0].chat:
+            for reply in replies:
+                yield reply.chunk(None, role=True)
+        results = []
+        async for item in _merged(streams):
+            if isinstance(item, str):
+                yield item
+                continue
+            results.append(item)
+            if item.get("error"):
+                break
+        complete = len(results) == len(streams) and not any(r.get("error") for r in results)
+        if complete and include_usage:
+            yield replies[0].usage_chunk(_usage_of(results))
+        yield "data: [DONE]\n\n"
+
+    async def _choice_stream(gen: Generation, reply: _Reply, tools, commits: bool, logprobs: bool):
+        """One choice's chunks, then its result record. `commits` (stream_commits): a chunk
+        per commit, saying how many forwards and tokens it carries (the console groups the
+        tokens of one forward); `logprobs`: each text chunk carries its tokens' logprobs."""
         calls = ToolCallStream(*tools) if tools is not None else None
 
         def chunks(pieces):  # text, or the calls of one completed tool call
             for p in pieces:
                 yield reply.text_chunk(p) if isinstance(p, str) else reply.calls_chunk(p)
 
-        if reply.chat:
-            yield reply.chunk(None, role=True)
         async for piece in gen.pieces(merge=not commits):
             if isinstance(piece, str):
-                if calls is None and isinstance(piece, CommitText) and commits:
+                if calls is None and isinstance(piece, CommitText) and logprobs:
+                    yield reply.text_chunk(piece, reply.logprobs(piece.logprobs, token_text))
+                elif calls is None and isinstance(piece, CommitText) and commits:
                     yield reply.commit_chunk(piece, piece.forwards, piece.tokens)
                 elif calls is None:
                     yield reply.text_chunk(piece)
@@ -268,9 +380,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
                     if calls.calls and reason == "stop":
                         reason = "tool_calls"
                 yield reply.chunk(None, finish=reason)
-                if include_usage:
-                    yield reply.usage_chunk(_usage(result))
-            yield "data: [DONE]\n\n"
+            yield result
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:

@@ -31,7 +31,8 @@ DEFAULTS = GenerationParams()
 MAX_STOP_STRINGS = 16
 # The error messages of GenerationParams.validate name their field first.
 PARAM_FIELDS = ("mode", "window", "threshold", "penalty", "temperature", "top_p", "top_k",
-                 "max_tokens", "seed", "draft", "sampler", "steps")  # fmt: skip
+                 "max_tokens", "seed", "draft", "sampler", "steps", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "logit_bias")  # fmt: skip
 
 
 def _message_text(i: int, message: ChatMessage) -> str:
@@ -141,13 +142,40 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     return strings
 
 
+def _logit_bias(bias: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": value} as (id, value) pairs, ids within the vocabulary (the
+    values' range is GenerationParams' to check)."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            message = f"logit_bias: keys are token ids, got {key!r}"
+            raise ApiError(400, message, "logit_bias") from None
+        if not 0 <= token < vocab:
+            raise ApiError(400, f"logit_bias: token id {token} is outside the vocabulary "
+                           f"[0, {vocab})", "logit_bias")  # fmt: skip
+        pairs.append((token, float(value)))
+    return tuple(pairs)
+
+
 def generation_params(
-    body: GenerationFields, prompt_tokens: int, context: int, default_max_tokens: int
+    body: GenerationFields,
+    prompt_tokens: int,
+    context: int,
+    default_max_tokens: int,
+    vocab: int = 1 << 31,
 ) -> GenerationParams:
+    """`vocab`: the model's vocabulary size (logit_bias ids are checked against it)."""
     problem = body.unsupported()
     if problem is not None:
         field, why = problem
         raise ApiError(400, why if why.startswith(field) else f"{field}: {why}", field)
+    try:
+        logprobs = body.logprob_count()
+    except ValueError as e:
+        field = str(e).split(":")[0].split(" ")[0]
+        raise ApiError(400, str(e), field) from None
     threshold = DEFAULTS.threshold if body.threshold is None else body.threshold
     if body.one_by_one:
         if body.threshold is not None:
@@ -169,6 +197,11 @@ def generation_params(
             draft=body.draft or DEFAULTS.draft,
             sampler=body.sampler or DEFAULTS.sampler,
             steps=body.steps or 0,
+            logprobs=logprobs,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=_logit_bias(body.logit_bias, vocab),
         )
     except InvalidRequest as e:
         message = str(e)

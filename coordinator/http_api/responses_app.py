@@ -4,7 +4,8 @@ as the system message, input items as messages), so that the same mapping, admis
 events, stop trimming and cancellation serve it (http_api/generation.py); the answer is a
 response object (one message item of output_text) or its stream of typed events. Errors
 keep OpenAI's shape. Nothing is stored: `store: true`, `previous_response_id` and
-`background` are refused, as are tools (for now) and structured text formats."""
+`background` are refused, as are tools (for now); `text.format` json_object and
+json_schema give structured output."""
 
 from __future__ import annotations
 
@@ -79,9 +80,6 @@ def _refused(body: ResponsesRequest) -> None:
     if body.tools:
         raise ApiError(400, "tools: tools are not supported by /v1/responses yet (use "
                        "/v1/chat/completions)", "tools")  # fmt: skip
-    fmt = (body.text or {}).get("format") or {}
-    if fmt.get("type", "text") != "text":
-        raise ApiError(400, "text.format: only the text format is supported", "text.format")
 
 
 def _content(i: int, content: str | list[Part] | None) -> str:
@@ -114,7 +112,22 @@ def to_openai(body: ResponsesRequest) -> ChatCompletionRequest:
         raise ApiError(400, "input must not be empty", "input")
     return ChatCompletionRequest.model_validate({
         "model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
-        "temperature": body.temperature, "top_p": body.top_p})  # fmt: skip
+        "temperature": body.temperature, "top_p": body.top_p,
+        "response_format": _response_format(body)})  # fmt: skip
+
+
+def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
+    """`text.format` as chat's response_format: Responses flattens json_schema's fields."""
+    fmt = (body.text or {}).get("format") or {}
+    kind = fmt.get("type", "text")
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        if "schema" not in fmt:
+            raise ApiError(400, "text.format.schema is required", "text.format.schema")
+        return {"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}
+    raise ApiError(400, f"text.format.type must be text, json_object or json_schema, got "
+                   f"{kind!r}", "text.format.type")  # fmt: skip
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -144,7 +157,7 @@ class _Response:
             "temperature": b.temperature, "top_p": b.top_p, "error": None,
             "incomplete_details": None, "metadata": b.metadata or {}, "store": False,
             "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
-            "previous_response_id": None, "text": {"format": {"type": "text"}},
+            "previous_response_id": None, "text": self.body.text or {"format": {"type": "text"}},
             "truncation": "disabled", "usage": None}  # fmt: skip
         if result is not None:
             item_status = "completed" if status == "completed" else "incomplete"

@@ -8,6 +8,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from common.generation_params import MAX_TOP_LOGPROBS
+
+MAX_CHOICES = 16  # n: choices per request (each its own sequence)
+
 
 class _Body(BaseModel):
     # Unknown fields are ignored (clients send vendor fields freely); fields that ask for
@@ -68,12 +72,12 @@ class GenerationFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # asked-for features this server does not have: refused, never silently ignored
     logprobs: Any = None
     top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(default=None, allow_inf_nan=False)  # vLLM's
     # WeDLM and sampling extras (extra_body)
     mode: Literal["auto", "wedlm", "ar", "speculative", "diffusion"] | None = None
     sampler: Literal["turbo", "faithful"] | None = None  # diffusion mode
@@ -99,19 +103,22 @@ class GenerationFields(_Body):
     def prompt_field(self) -> str:
         return "prompt"
 
+    def logprob_count(self) -> int | None:
+        """Alternatives per token (params.logprobs), None when no logprobs are asked;
+        completions' form: `logprobs: k`."""
+        lp = self.logprobs
+        if lp is None:
+            return None
+        if isinstance(lp, bool) or not isinstance(lp, int):
+            raise ValueError(f"logprobs: an integer between 0 and {MAX_TOP_LOGPROBS}, got {lp!r}")
+        if not 0 <= lp <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {lp}")
+        return lp
+
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field that asks for what this server cannot do."""
-        if self.n not in (None, 1):
-            return "n", f"n must be 1 (one choice per request), got {self.n}"
-        if self.logprobs not in (None, False, 0):
-            return "logprobs", "logprobs are not available from this server"
-        if self.top_logprobs:
-            return "top_logprobs", "logprobs are not available from this server"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                return name, f"{name} is not supported (use the WeDLM `penalty` field)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            return "n", f"n must be between 1 and {MAX_CHOICES}, got {self.n}"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options applies only when stream is true"
         return None
@@ -134,18 +141,28 @@ class ChatCompletionRequest(GenerationFields):
     def prompt_field(self) -> str:
         return "messages"
 
+    def logprob_count(self) -> int | None:
+        """Chat's form: `logprobs: true` and `top_logprobs: k`."""
+        lp, top = self.logprobs, self.top_logprobs
+        if lp is not None and not isinstance(lp, bool):
+            raise ValueError(f"logprobs: true or false, got {lp!r}")
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}")
+        if top and not lp:
+            raise ValueError("top_logprobs: needs logprobs true")
+        return (top or 0) if lp else None
+
     def tools_in_use(self) -> bool:
         """Tools are rendered into the prompt and calls parsed from the answer."""
         return bool(self.tools) and self.tool_choice != "none"
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", (
-                "tool_choice: only 'auto' and 'none' are supported ('required' and a named "
-                "function need constrained decoding, which this server does not have yet)"
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            return "tool_choice", "tool_choice: names a tool call, but there are no tools"
+        if self.response_format and self.tool_choice not in (None, "none", "auto"):
+            return "response_format", (
+                "response_format and a required tool call are exclusive (one grammar each)"
             )
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "only the text response format is supported"
         return super().unsupported()
 
 

@@ -311,7 +311,8 @@ class EngineLoop(threading.Thread):
                 continue
             if commit.tokens:
                 self._observe_tokens(live, len(commit.tokens), now)
-                live.job.publish(commit.tokens, live.stream.add(commit.tokens))
+                text = live.stream.add(commit.tokens)
+                live.job.publish(commit.tokens, text, commit.logprobs)
             if commit.seq.finished:
                 self._finish(commit.seq, "done")
         self._mark_started(now)

@@ -57,6 +57,7 @@ def decode_request(blob: bytes) -> tuple[list[int], GenerationParams, float | No
     fields = data["params"]
     for key in ("stop_ids", "stop_strings"):
         fields[key] = tuple(fields[key])
+    fields["logit_bias"] = tuple(tuple(pair) for pair in fields.get("logit_bias", ()))
     return list(data["prompt"]), GenerationParams(**fields), data.get("deadline")
 
 

@@ -26,6 +26,7 @@ class Job:
     created_at: float = field(default_factory=time.time)
     state: str = "queued"
     tokens: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # TokenLogprob per token, when asked
     result: dict[str, Any] | None = None
     seq_id: int | None = None
     deadline: float | None = None  # wall-clock time after which the job is cancelled
@@ -38,7 +39,8 @@ class Job:
         return self.state in TERMINAL
 
     def listen(self) -> queue.Queue:
-        """A queue receiving ("tokens", ids, text) and finally ("final", result)."""
+        """A queue receiving ("tokens", ids, text, logprobs) and finally ("final", result)
+        (logprobs: one TokenLogprob per id, or None when the request asked for none)."""
         q: queue.Queue = queue.Queue()
         self.listen_with(q.put)
         return q
@@ -49,7 +51,7 @@ class Job:
         front end passes a put that hands the event to its own loop."""
         with self._cond:
             if self.tokens:
-                put(("tokens", list(self.tokens), None))
+                put(("tokens", list(self.tokens), None, list(self.logprobs) or None))
             if self.result is not None:
                 put(("final", self.result))
             else:
@@ -60,12 +62,13 @@ class Job:
             if self.state == "queued":
                 self.state = "running"
 
-    def publish(self, ids: list[int], text: str) -> None:
+    def publish(self, ids: list[int], text: str, logprobs: list | None = None) -> None:
         with self._cond:
             self.state = "running"
             self.tokens.extend(ids)
+            self.logprobs.extend(logprobs or ())
             for put in self._listeners:
-                put(("tokens", ids, text))
+                put(("tokens", ids, text, logprobs))
 
     def finish(self, state: str, result: dict[str, Any]) -> None:
         with self._cond:

@@ -37,6 +37,7 @@ from coordinator.cluster.discovery import WorkerBrowser, shortfall
 from coordinator.cluster.heartbeat import Heartbeat
 from coordinator.cluster.layer_plan import PlanError
 from coordinator.cluster.worker_link import WorkerCallError
+from coordinator.engine.constrained import Grammars
 from coordinator.engine.engine import Limits
 from coordinator.engine.engine_for import check_draft_model, engine_for
 from coordinator.engine.local_layers import LocalLayers
@@ -154,6 +155,8 @@ class CoordinatorServer:
             ),
             prefix_cache=PrefixCache(opts.prefix_cache_tokens) if opts.prefix_cache else None,
         )
+        grammars = Grammars(self.tokenizer, self.config.vocab_size, self.engine.model_stop_ids)
+        self.engine.use_grammars(grammars)
         if opts.draft_model is not None:
             from coordinator.engine.draft_model import DraftModel
 

@@ -65,6 +65,10 @@ class DiffusionEngine(Engine):
             )
         if not prompt:
             raise InvalidRequest("the prompt is empty")
+        if params.logprobs is not None:
+            raise InvalidRequest("logprobs are not available in mode diffusion")
+        if params.grammar is not None:
+            raise InvalidRequest("structured output is not available in mode diffusion")
         vocab = self.config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:

@@ -1,0 +1,116 @@
+"""Logprobs of committed tokens, computed on the device with the forward's selection and
+read back in its one host sync, only for the rows whose request asks (params.logprobs).
+
+What a token's logprob is: log-softmax of the raw logits (before temperature, top-k/top-p,
+penalties or a grammar's mask, as vLLM reports them by default) of the forward that chose
+the token, at the slot that chose it:
+- autoregressive mode: the forward fed the previous token (one token per forward);
+- speculative mode: the verifying forward; an accepted draft equals the model's own choice
+  at its slot, so its logprob is that choice's, as autoregressive decoding would report;
+- WeDLM mode: the forward that filled the mask slot (a token is chosen in one forward and
+  committed, its KV made permanent, by a later one; the choosing forward's distribution
+  is the one the token was drawn from).
+A token is recorded by output index when chosen and handed out when it commits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from coordinator.engine.row_plan import RowPlan
+from coordinator.engine.scheduler import Commit
+from coordinator.engine.sequence import Phase
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the k likeliest tokens and their logprobs
+
+
+@dataclass
+class SlotLogprobs:
+    """Device arrays for the rows that ask (lazy until the step's sync)."""
+
+    rows: list[int]  # batch rows, in the order of the arrays' first axis
+    chosen: mx.array  # [R, K] logprob of each slot's chosen token
+    top_ids: mx.array  # [R, K, k]
+    top_values: mx.array  # [R, K, k]
+
+    def arrays(self) -> list[mx.array]:
+        return [self.chosen, self.top_ids, self.top_values]
+
+
+def asking_rows(plans: list[RowPlan]) -> list[int]:
+    return [i for i, p in enumerate(plans) if p.seq.params.logprobs is not None]
+
+
+def slot_logprobs(plans: list[RowPlan], logits: mx.array, tokens: mx.array) -> SlotLogprobs | None:
+    """For logits [N, K, V] and the chosen tokens [N, K]: what the asking rows need."""
+    rows = asking_rows(plans)
+    if not rows or logits.shape[1] == 0:
+        return None
+    index = mx.array(rows)
+    raw = logits[index].astype(mx.float32)
+    logp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logp, tokens[index][..., None], axis=-1)[..., 0]
+    k = max(plans[i].seq.params.logprobs or 0 for i in rows)
+    if k == 0:
+        empty = mx.zeros((*chosen.shape, 0))
+        return SlotLogprobs(rows, chosen, empty.astype(mx.int32), empty)
+    # the k largest, unordered, then ordered by value (a full sort of V would cost more)
+    ids = mx.argpartition(-logp, kth=k - 1, axis=-1)[..., :k]
+    values = mx.take_along_axis(logp, ids, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    ids = mx.take_along_axis(ids, order, axis=-1)
+    values = mx.take_along_axis(values, order, axis=-1)
+    return SlotLogprobs(rows, chosen, ids.astype(mx.int32), values)
+
+
+def record(
+    found: SlotLogprobs,
+    plans: list[RowPlan],
+    before: list[int],
+    tokens: np.ndarray,
+    fills: np.ndarray,
+    was_wedlm_decode: list[bool],
+) -> None:
+    """After postprocess: store each chosen token's logprob by output index on its sequence.
+    `before`: each row's output length before this forward's commit."""
+    chosen, top_ids, top_values = (np.array(a).tolist() for a in found.arrays())
+    for r, i in enumerate(found.rows):
+        plan, seq = plans[i], plans[i].seq
+        k = seq.params.logprobs or 0
+        if was_wedlm_decode[i]:
+            # head slot j is window slot j after this commit: output index before + p + j
+            start = before[i] + plan.keep
+            slots = [j for j in range(plan.head_slots.size) if fills[i, j]]
+        else:  # AR, speculative, a prefill's last row: slot j chose output index before + j
+            start = before[i]
+            slots = list(range(len(seq.output) - before[i]))
+        for j in slots:
+            top = tuple(zip(top_ids[r][j][:k], top_values[r][j][:k], strict=True))
+            seq.token_logprobs[start + j] = TokenLogprob(int(tokens[i, j]), chosen[r][j], top)
+
+
+def wedlm_decoding(plans: list[RowPlan]) -> list[bool]:
+    """Per row, whether its forward is a WeDLM window step (read before postprocess)."""
+    return [p.seq.params.mode == "wedlm" and p.seq.phase is Phase.DECODE for p in plans]
+
+
+def attach(commits: list[Commit]) -> None:
+    """Give each commit of an asking sequence the logprobs of its tokens (handed out: a
+    token commits once)."""
+    for commit in commits:
+        seq = commit.seq
+        if seq.params.logprobs is None or not commit.tokens:
+            continue
+        start = len(seq.output) - len(commit.tokens)
+        store = seq.token_logprobs
+        commit.logprobs = [
+            store.pop(n, None) or TokenLogprob(t, float("nan"), ())
+            for n, t in enumerate(commit.tokens, start)
+        ]
