@@ -104,11 +104,13 @@ def wedlm_decoding(plans: list[RowPlan]) -> list[bool]:
 def attach(commits: list[Commit]) -> None:
     """Give each commit of an asking sequence the logprobs of its tokens (handed out: a
     token commits once)."""
-    for commit in commits:
+    ends: dict[int, int] = {}  # a sequence may commit twice in one step (a look-ahead's)
+    for commit in reversed(commits):
         seq = commit.seq
         if seq.params.logprobs is None or not commit.tokens:
             continue
-        start = len(seq.output) - len(commit.tokens)
+        start = ends.get(seq.seq_id, len(seq.output)) - len(commit.tokens)
+        ends[seq.seq_id] = start
         store = seq.token_logprobs
         commit.logprobs = [
             store.pop(n, None) or TokenLogprob(t, float("nan"), ())
