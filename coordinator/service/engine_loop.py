@@ -141,8 +141,10 @@ class EngineLoop(threading.Thread):
                 job.finish("failed", error_record(len(job.prompt), message, ENGINE_STOPPED))
         with contextlib.suppress(Exception):  # the engine's state may be what broke
             self.engine.fail_all()
-        for live in list(self._live.values()):
-            live.seq.finish_reason = "error"
+        lives = list(self._live.values())
+        with contextlib.suppress(Exception):
+            self.engine.fail([live.seq for live in lives])
+        for live in lives:
             self._finish(live.seq, "failed", message, ENGINE_STOPPED)
 
     def _serve(self) -> None:
@@ -201,8 +203,7 @@ class EngineLoop(threading.Thread):
                 self._end(live, "cancelled", reason="deadline")
 
     def _end(self, live: _Live, state: str, reason: str = "cancelled") -> None:
-        self.engine.cancel(live.seq)
-        live.seq.finish_reason = reason
+        self.engine.cancel(live.seq, reason)
         self._finish(live.seq, state)
 
     def _tick(self) -> None:
