@@ -22,6 +22,7 @@ from coordinator.http_api.request_mapping import chat_prompt, completion_prompt,
 from coordinator.http_api.schemas import ChatCompletionRequest, GenerationFields
 from coordinator.http_api.stop_text import StopText, trim_at_stop
 from coordinator.service.jobs import Job
+from coordinator.service.messages import Final, Tokens
 from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 
 Encode = Callable[[], tuple[list[int], GenerationParams]]
@@ -90,13 +91,13 @@ class Generation:
         forwards = tokens = 0  # committed since the last piece
         try:
             while (event := await self.events.next(self.request, merge)) is not None:
-                if event[0] == "tokens":
-                    forwards, tokens = forwards + event[3], tokens + len(event[1])
-                    if text := trimmer.add(event[2]):
+                if isinstance(event, Tokens):
+                    forwards, tokens = forwards + event.commits, tokens + len(event.ids)
+                    if text := trimmer.add(event.text):
                         yield CommitText(text, forwards, tokens)
                         forwards = tokens = 0
                     continue
-                result = event[1]
+                result = event.result
                 if not result.get("error"):
                     if tail := trimmer.finish():
                         yield CommitText(tail, forwards, tokens)
@@ -118,8 +119,8 @@ class Generation:
         client disconnected first."""
         try:
             while (event := await self.events.next(self.request)) is not None:
-                if event[0] == "final":
-                    result = event[1]
+                if isinstance(event, Final):
+                    result = event.result
                     return result if result.get("error") else self._trimmed(result)
             return None
         finally:

@@ -1,0 +1,72 @@
+"""The messages that cross the engine thread, as frozen dataclasses that consumers `match`
+on: the inbox (front ends -> engine thread) and a job's events (engine thread -> the
+front end that listens). Plain fields only, so a process boundary can carry them too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from coordinator.service.jobs import Job
+
+
+# ---- the inbox of the engine thread (engine_loop.EngineLoop) ---------------------------
+@dataclass(frozen=True, slots=True)
+class Submit:
+    """Start decoding this accepted job."""
+
+    job: Job
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    """Stop this job; `reason` becomes its finish reason ("cancelled", "shutdown")."""
+
+    job: Job
+    reason: str = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Nothing to do but look at the loop's flags (a re-plan was asked)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """End the engine thread after the tick in progress."""
+
+
+Inbox = Submit | Cancel | Wake | Stop
+
+
+# ---- a job's events (Job.listen_with) ----------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """Committed tokens and their text (None: not decoded, e.g. a replay of what was
+    committed before a listener came); `commits`: how many commits were merged into it."""
+
+    ids: list[int]
+    text: str | None
+    commits: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Final:
+    """The job ended: its result record (results.py)."""
+
+    result: dict[str, Any]
+
+
+JobEvent = Tokens | Final
+
+
+def merged(first: Tokens, more: list[Tokens]) -> Tokens:
+    """Several waiting commits as one event (one chunk to send, not many); its text is
+    a string."""
+    ids = list(first.ids)
+    text = [first.text or ""]
+    for event in more:
+        ids += event.ids
+        text.append(event.text or "")
+    return Tokens(ids, "".join(text), len(text))
