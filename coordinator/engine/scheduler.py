@@ -21,9 +21,12 @@ from dataclasses import dataclass, field
 
 from common.errors import WedlmError
 from coordinator.engine.forward_shapes import padded_width, row_bucket
+from coordinator.engine.limits import Limits
 from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.row_plan import RowPlan, apply_result, plan_next
 from coordinator.engine.sequence import Phase, Sequence
+
+__all__ = ["PREFILL", "Commit", "Limits", "QueueFull", "Scheduler", "Unit"]
 
 
 @dataclass(frozen=True)
@@ -42,17 +45,6 @@ Unit = Prefill | int  # what a micro-batch belongs to: the prefill turn or a dec
 class QueueFull(WedlmError):
     """The waiting queue is at its limit (requests or prompt tokens)."""
 
-
-@dataclass
-class Limits:
-    max_running: int = 16
-    max_queued: int = 256
-    max_queued_tokens: int = 1 << 20
-    prefill_chunk: int = 512  # prompt tokens of one sequence per forward
-    prefill_budget: int = 1024  # padded prompt rows per prefill micro-batch
-    kv_tokens: int | None = None  # KV tokens the workers' free memory holds (None: unknown)
-    prefill_hold: int = 4  # decode steps a new prompt may wait to share a prefill (0: none)
-    prefill_batch: int = 8  # new prompts that start a prefill forward without waiting
 
 
 @dataclass

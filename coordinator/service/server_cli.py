@@ -18,6 +18,7 @@ from common.errors import WedlmError
 from common.kv_format import KV_BITS, KV_GROUP_SIZES, KVFormat
 from common.layer_range import LayerRange
 from common.server_install import require_server_install
+from coordinator.engine.limits import Limits, knobs
 from coordinator.service.request_limits import BYTES_PER_TOKEN, MIN_REQUEST_BYTES
 
 SIGNAL_POLL_S = 0.05  # how soon SIGTERM/SIGINT starts the drain
@@ -89,31 +90,10 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         help="sequences decoded at once (default: as many typical requests as the measured "
         "free memory holds, up to 64; the startup log and `wedlm status` say why)",
     )
-    p.add_argument(
-        "--max-queued",
-        type=_positive,
-        default=256,
-        help="requests waiting beyond --max-running; more get RESOURCE_EXHAUSTED",
-    )
-    p.add_argument(
-        "--max-queued-tokens",
-        type=_positive,
-        default=1 << 20,
-        help="prompt tokens waiting; more get RESOURCE_EXHAUSTED",
-    )
-    p.add_argument(
-        "--prefill-hold",
-        type=_non_negative,
-        default=4,
-        help="decode steps a new prompt may wait, while others decode, for more prompts to "
-        "share its prefill forward (0: prefill each arrival at once)",
-    )
-    p.add_argument(
-        "--prefill-batch",
-        type=_positive,
-        default=8,
-        help="new prompts that start a prefill forward without waiting (see --prefill-hold)",
-    )
+    for f, knob in knobs():  # the scheduler's settings (coordinator/engine/limits.py)
+        parse = _positive if knob.low == 1 else _number(int, knob.low, "a whole number")
+        flag = "--" + f.name.replace("_", "-")
+        p.add_argument(flag, type=parse, default=f.default, help=knob.help)
     p.add_argument(
         "--micro-batches",
         type=_positive,
@@ -328,10 +308,7 @@ def serve_options(args: argparse.Namespace, **fixed):
         cluster=args.cluster,
         secret=args.secret,
         max_running=args.max_running,
-        max_queued=args.max_queued,
-        max_queued_tokens=args.max_queued_tokens,
-        prefill_hold=args.prefill_hold,
-        prefill_batch=args.prefill_batch,
+        limits=Limits(**{f.name: getattr(args, f.name) for f, _ in knobs()}),
         micro_batches=args.micro_batches or 0,
         metrics_port=args.metrics_port,
         wait_timeout_s=args.wait_timeout,
