@@ -5,10 +5,7 @@ front end that listens). Plain fields only, so a process boundary can carry them
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from coordinator.service.jobs import Job
+from typing import Any
 
 
 # ---- the inbox of the engine thread (engine_loop.EngineLoop) ---------------------------
@@ -16,14 +13,14 @@ if TYPE_CHECKING:
 class Submit:
     """Start decoding this accepted job."""
 
-    job: Job
+    job: Any  # a jobs.Job (jobs.py imports this module, not the other way round)
 
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
     """Stop this job; `reason` becomes its finish reason ("cancelled", "shutdown")."""
 
-    job: Job
+    job: Any  # a jobs.Job
     reason: str = "cancelled"
 
 
