@@ -17,6 +17,7 @@ from common.errors import CheckpointError
 from common.kv_rows import KVRows
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig, load_model_config
+from common.parts_weights import install_weights, quantize_parts
 
 
 class ModelParts(nn.Module):
@@ -92,31 +93,6 @@ def _quantize(parts: ModelParts, quant: dict[str, Any], weights: dict[str, mx.ar
         return infer_quant_config(path, module, weights)
 
     quantize_parts(parts, quant, predicate)
-
-
-def quantize_parts(parts: nn.Module, quant: dict[str, Any], predicate) -> None:
-    """Quantize the modules `predicate` picks with a config.json's `quantization` defaults."""
-    nn.quantize(
-        parts,
-        group_size=quant["group_size"],
-        bits=quant["bits"],
-        mode=quant.get("mode", "affine"),
-        class_predicate=predicate,
-    )
-
-
-def install_weights(parts: nn.Module, weights: dict[str, mx.array], path: Path) -> None:
-    """Load exactly these weights into `parts` and materialize them (float32 on a CPU)."""
-    try:
-        parts.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise CheckpointError(f"{path}: weights do not match config.json: {e}") from None
-    parts.eval()
-    if mx.default_device() == mx.cpu:
-        # MLX's CPU backend emulates float16/bfloat16 arithmetic (tens of times slower);
-        # compute in float32 there. GPUs keep the checkpoint's dtype.
-        parts.set_dtype(mx.float32)
-    mx.eval(parts.parameters())
 
 
 def load_model_parts(

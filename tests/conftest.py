@@ -11,6 +11,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 
+# End-to-end files (real coordinator and worker processes, or a pip install): marked `e2e`,
+# so `pytest -m "not e2e"` is the quick loop. Files named *_e2e.py, and these:
+E2E_FILES = {"test_diffusion_cluster.py", "test_client_package.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        name = item.path.name
+        if name.endswith("_e2e.py") or name in E2E_FILES:
+            item.add_marker(pytest.mark.e2e)
+
 
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):

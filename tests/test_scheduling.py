@@ -8,7 +8,7 @@ import pytest
 from common.generation_params import GenerationParams
 from coordinator.engine.engine import Limits
 from coordinator.engine.local_engine import open_local_engine
-from coordinator.engine.scheduler import QueueFull
+from coordinator.engine.scheduler import PREFILL, QueueFull
 
 REQUESTS = [
     ("the cat sat on the mat", GenerationParams(threshold=1.5, max_tokens=24)),
@@ -325,6 +325,6 @@ def test_sequences_joining_a_decode_group_ride_the_look_ahead(model):
         while engine.has_work:
             engine.step()
         outputs[ahead] = [s.output for s in seqs]
-        regular[ahead] = sum(unit >= 0 for unit in launches)
+        regular[ahead] = sum(unit is not PREFILL for unit in launches)
     assert outputs[True] == outputs[False]
     assert regular[True] == 1 + len(arrivals)  # the first launch, then one per arrival

@@ -1,13 +1,15 @@
 """`wedlm`: the client command line. `wedlm generate` runs a prompt on a cluster's
-coordinator (or locally on a model folder, which needs the server's install); `status`
-shows a cluster; `submit`, `job`, `wait` and `cancel` manage jobs the cluster keeps;
-`bench` measures a cluster (wedlm_client/bench).
-Everything but `generate --model` needs only grpcio and protobuf."""
+coordinator (or locally on a model folder: `wedlm-coordinator generate` runs it, which needs
+the server's install); `status` shows a cluster; `submit`, `job`, `wait` and `cancel` manage
+jobs the cluster keeps; `bench` measures a cluster (wedlm_client/bench). This package never
+imports the coordinator: it needs only grpcio and protobuf."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import subprocess
 import sys
 from collections.abc import Sequence as Seq
 
@@ -190,25 +192,37 @@ def open_client(args: argparse.Namespace, timeout: float = 600.0):
     return WedlmClient(args.cluster, timeout, tls=client_tls(args), api_key=args.api_key)
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    params = params_from_args(args)
-    stream = None if args.json else sys.stdout
-    if args.cluster:
-        from wedlm_client.cluster_generate import generate_on_cluster
+def run_generate(args: argparse.Namespace, argv: Seq[str]) -> int:
+    if not args.cluster:
+        return generate_on_this_machine(argv)
+    from wedlm_client.cluster_generate import generate_on_cluster
 
-        if args.draft_model:
-            raise WedlmError("--draft-model is for --model (a cluster's coordinator loads its own)")
-        with open_client(args) as client:
-            result = generate_on_cluster(client, args, params, stream)
-    else:
-        try:
-            from coordinator.engine.local_generate import generate_locally
-        except ImportError as e:  # the client-only install has no MLX
-            raise WedlmError(
-                f"local generation needs the server install ({e.name} is missing): "
-                "pip install 'wedlm-cluster[server]', or pass --cluster HOST:PORT"
-            ) from None
-        result = generate_locally(args, params, stream)
+    if args.draft_model:
+        raise WedlmError("--draft-model is for --model (a cluster's coordinator loads its own)")
+    with open_client(args) as client:
+        result = generate_on_cluster(client, args, params_from_args(args), stream_of(args))
+    return print_result(args, result)
+
+
+def generate_on_this_machine(argv: Seq[str]) -> int:
+    """`generate --model`: MLX generation is the server's, so `wedlm-coordinator generate`
+    runs it with the same arguments, in its own process."""
+    missing = [m for m in ("mlx", "mlx_lm") if importlib.util.find_spec(m) is None]
+    if missing:  # the client-only install has no MLX
+        raise WedlmError(
+            f"local generation needs the server install ({missing[0]} is missing): "
+            "pip install 'wedlm-cluster[server]', or pass --cluster HOST:PORT"
+        )
+    command = [sys.executable, "-m", "coordinator.service.server_cli", *argv]
+    return subprocess.call(command)
+
+
+def stream_of(args: argparse.Namespace):
+    """Where streamed text goes: stdout, unless one JSON object is printed at the end."""
+    return None if args.json else sys.stdout
+
+
+def print_result(args: argparse.Namespace, result: dict) -> int:
     if args.json:
         print(json.dumps(result))
     else:
@@ -251,12 +265,13 @@ def run_job_command(args: argparse.Namespace) -> int:
 
 def main(argv: Seq[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         if args.command == "status":
             return run_status(args)
         if args.command == "generate":
-            return run_generate(args)
+            return run_generate(args, argv)
         if args.command == "bench":
             from wedlm_client.bench.cli import run_bench
 

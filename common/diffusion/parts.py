@@ -19,7 +19,7 @@ from common.diffusion.mlx_vlm_modules import diffusion_gemma
 from common.errors import CheckpointError
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
-from common.model_parts import install_weights, quantize_parts
+from common.parts_weights import install_weights, quantize_parts
 
 _DECODER = "model.decoder."
 _ENCODER_SCALARS = "model.encoder.language_model.layers."

@@ -1,7 +1,9 @@
-"""The decoding engine. A tick launches micro-batches until P are in flight (schedule),
-completes the oldest one (run: the layers, then the head, selection and sampling with one
-host sync) and hands its results to the scheduler (postprocess), the only place a sequence
-changes state. The engine owns MLX in its process: call it from one thread."""
+"""The decoding engine. A tick (`step`) launches micro-batches until P are in flight
+(schedule), completes the oldest one (run: the layers, then the head, selection and
+sampling with one host sync; the look-ahead forward is launched inside) and hands its
+results to the scheduler (postprocess), the only owner of sequence state. The engine calls
+the scheduler's methods and never changes its fields. It owns MLX in its process: call it
+from one thread."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from coordinator.engine.row_plan import (
     plan_speculative,
 )
 from coordinator.engine.sampling import greedy_tokens, sample_tokens
-from coordinator.engine.scheduler import Commit, Limits, Scheduler
+from coordinator.engine.scheduler import PREFILL, Commit, Limits, Scheduler, Unit
 from coordinator.engine.selection import entropy, select_fills
 from coordinator.engine.sequence import Phase, Sequence
 from coordinator.engine.tick_batch import TickBatch, build_batch
@@ -46,7 +48,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class InFlight:
     batch_id: int
-    unit: int
+    unit: Unit
     plans: list[RowPlan]
     batch: TickBatch
     started: float
@@ -54,6 +56,17 @@ class InFlight:
     # the host; its plans are named by `_resolve_ahead`, and the pipeline returns every
     # slot's hidden state (the head slots are taken once they are known).
     unresolved: bool = False
+
+
+@dataclass
+class Ran:
+    """A completed micro-batch's results on the host, for postprocess."""
+
+    flight: InFlight
+    fills: object  # [B, K] bool (a diffusion engine: its per-row CanvasResults)
+    tokens: object  # [B, K] int (a diffusion engine: None)
+    ahead: bool  # its unit's next forward was launched ahead
+    logprobs: token_logprobs.SlotLogprobs | None = None  # for the rows that ask
 
 
 class Engine:
@@ -97,15 +110,13 @@ class Engine:
 
     def use_pipeline(self, pipeline: Pipeline, micro_batches: int) -> None:
         """Switch to another pipeline (e.g. once the workers are planned). Call while idle."""
-        assert not self.in_flight and not self.scheduler.running, "the engine is busy"
+        assert not self.in_flight and not self.running, "the engine is busy"
         cached = self._drop_cache()  # the new stages may split the layers differently
         if cached:
             self.pipeline.release(cached)
         self.pipeline = pipeline
         self.micro_batches = micro_batches
-        s = self.scheduler
-        s.groups_count = micro_batches
-        s.groups = [[] for _ in range(micro_batches)]
+        self.scheduler.regroup(micro_batches)
         self._padding.clear()
 
     @property
@@ -114,8 +125,7 @@ class Engine:
 
     def _drop_cache(self) -> list[int]:
         """Forget the prefix cache; returns the ids whose rows stages may still hold."""
-        cache = self.scheduler.cache
-        return cache.clear() if cache is not None else []
+        return self.scheduler.drop_cache()
 
     @property
     def running(self) -> list[Sequence]:
@@ -206,56 +216,69 @@ class Engine:
                 f"exceeds the model's context of {limit} positions"
             )
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
         """Finish a sequence now; its KV is released once no forward of it is in flight."""
-        self.scheduler.cancel(seq)
+        self.scheduler.cancel(seq, reason)
+
+    def fail(self, seqs: list[Sequence]) -> None:
+        """Finish these sequences with an error (the engine thread ends)."""
+        self.scheduler.fail(seqs)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self.in_flight)
+        return bool(self.waiting or self.running or self.in_flight)
 
     # ---- one tick -------------------------------------------------------------------
     def step(self) -> list[Commit]:
-        self.scheduler.admit()
+        """One tick: schedule, run, postprocess. Commits of sequences whose last tokens
+        were known without a forward survive a failure (`take_undelivered`)."""
         commits: list[Commit] = []
         try:
-            while len(self.in_flight) < self.micro_batches:
-                picked = self.scheduler.next_micro_batch(commits)
-                if picked is None:
-                    break
-                self._launch(*picked)
-            if self.in_flight:
-                commits += self._complete()
+            self._schedule(commits)
+            ran = self._complete(commits) if self.in_flight else None
         except Exception:
-            # Sequences may have finished before the failure (their last tokens were known
-            # without a forward): keep those commits for whoever handles the failure.
             self.undelivered += commits
             raise
+        if ran is not None:
+            commits += self._postprocess(ran)
         token_logprobs.attach(commits)
+        self._retire()
+        return commits
+
+    def _schedule(self, commits: list[Commit]) -> None:
+        """Admit waiting sequences, then launch micro-batches until P are in flight."""
+        self.scheduler.admit()
+        while len(self.in_flight) < self.micro_batches:
+            picked = self.scheduler.next_micro_batch(commits)
+            if picked is None:
+                return
+            self._launch(*picked)
+
+    def _postprocess(self, ran: Ran) -> list[Commit]:
+        flight = ran.flight
+        before = [len(p.seq.output) for p in flight.plans]
+        window_steps = token_logprobs.wedlm_decoding(flight.plans)
+        commits = self.scheduler.postprocess(
+            flight.unit, flight.plans, ran.fills, ran.tokens, flight.started, ran.ahead
+        )
+        constrained.advance(flight.plans, before)
+        if ran.logprobs is not None:
+            token_logprobs.record(
+                ran.logprobs, flight.plans, before, ran.tokens, ran.fills, window_steps
+            )
+        if ran.ahead and self.in_flight and self.in_flight[-1].unresolved:
+            self._resolve_ahead(self.in_flight[-1], commits)
+        return commits
+
+    def _retire(self) -> None:
+        """Finished sequences that no forward in flight includes leave; their KV rows go
+        to the prefix cache or are released."""
         done = self.scheduler.reap({p.seq.seq_id for f in self.in_flight for p in f.plans})
-        gone = self._keep_cached(done)
+        gone = self.scheduler.retire(done)
         if gone:  # their ids are never used again: the workers may drop them at leisure
             self.pipeline.release(gone, wait=False)
         if done and self.drafter is not None:
             self.drafter.release([s.seq_id for s in done])
-        return commits
-
-    def _keep_cached(self, done: list[Sequence]) -> list[int]:
-        """Hand finished sequences' KV rows to the prefix cache; returns the ids whose rows
-        the stages may drop (not kept, or evicted for room)."""
-        cache = self.scheduler.cache
-        if cache is None:
-            return [s.seq_id for s in done]
-        untrusted = []
-        for seq in done:
-            if seq.prefix is not None:
-                cache.unpin(seq.prefix)
-            tokens = seq.cacheable()
-            if tokens is None:
-                untrusted.append(seq.seq_id)
-            else:
-                cache.insert(seq.seq_id, tokens, self.scheduler.limits.kv_tokens)
-        return untrusted + cache.take_dropped()
 
     def use_grammars(self, grammars: constrained.Grammars) -> None:
         """Decode requests with a grammar (structured output) through these matchers."""
@@ -265,7 +288,7 @@ class Engine:
         """Propose speculative drafts with this DraftModel (draft source "model")."""
         self.drafter = drafter
 
-    def _launch(self, unit: int, plans: list[RowPlan]) -> None:
+    def _launch(self, unit: Unit, plans: list[RowPlan]) -> None:
         started = time.perf_counter()
         plans = self._with_model_drafts(plans)
         batch = build_batch(plans, padding_ids=self._padding_ids(unit, len(plans)))
@@ -303,11 +326,11 @@ class Engine:
             self.pipeline.release(stale)
         self._padding.clear()
 
-    def _padding_ids(self, unit: int, rows: int) -> list[int]:
+    def _padding_ids(self, unit: Unit, rows: int) -> list[int]:
         """Row counts are padded to buckets (bounded shapes); padding rows get ids of their
         own per unit, and the ones a unit stops using are released."""
         pad = row_bucket(rows) - rows
-        base = (1 << 62) + (unit + 1) * 4096
+        base = (1 << 62) + (0 if unit is PREFILL else unit + 1) * 4096
         ids = {base + i for i in range(pad)}
         stale = self._padding.get(unit, set()) - ids
         if stale:  # a reused padding id starts at 0 and keeps nothing: order is irrelevant
@@ -315,7 +338,10 @@ class Engine:
         self._padding[unit] = ids
         return sorted(ids)
 
-    def _complete(self) -> list[Commit]:
+    def _complete(self, commits: list[Commit]) -> Ran:
+        """Run the oldest micro-batch to its tokens: collect its hidden states, head,
+        selection and sampling, one host sync. The next forward goes to the device before
+        the sync (the look-ahead, or another unit's micro-batch)."""
         flight = self.in_flight.popleft()
         batch_id, hidden = self.pipeline.collect()
         assert batch_id == flight.batch_id, "micro-batches complete in order"
@@ -330,51 +356,36 @@ class Engine:
         ahead = self._launch_ahead(flight, tokens) or self._launch_wedlm_ahead(
             flight, fills, tokens
         )
-        commits: list[Commit] = []
-        if not ahead and len(self.in_flight) < self.micro_batches:
-            # Another unit's micro-batch (a prompt chunk, another group) does not depend on
-            # this one's tokens: launch it now, so the device has work while the host reads
-            # and postprocesses this one. This unit stays busy until postprocess.
-            picked = self.scheduler.next_micro_batch(commits)
-            try:
-                if picked is not None:
-                    self._launch(*picked)
-            except Exception:
-                self.undelivered += commits  # finished without a forward: still delivered
-                raise
+        if not ahead:
+            self._launch_other(commits)
         mx.eval(fills, tokens, *extra)  # the one host sync of this micro-batch
         self.forwards += 1
-        before = [len(p.seq.output) for p in flight.plans]
-        window_steps = token_logprobs.wedlm_decoding(flight.plans)
-        fills_np, tokens_np = np.array(fills), np.array(tokens)
-        commits += self.scheduler.postprocess(
-            flight.unit, flight.plans, fills_np, tokens_np, flight.started
-        )
-        constrained.advance(flight.plans, before)
-        if logprobs is not None:
-            token_logprobs.record(logprobs, flight.plans, before, tokens_np, fills_np, window_steps)
-        self._unpin_forks(flight.plans)
-        if ahead:
-            self.scheduler.busy.add(flight.unit)
-            if self.in_flight[-1].unresolved:
-                self._resolve_ahead(self.in_flight[-1], commits)
-        return commits
+        return Ran(flight, np.array(fills), np.array(tokens), ahead, logprobs)
+
+    def _launch_other(self, commits: list[Commit]) -> None:
+        """Another unit's micro-batch (a prompt chunk, another group) does not depend on
+        the one being completed: launch it now, so the device has work while the host reads
+        and postprocesses that one (whose unit stays busy until postprocess)."""
+        if len(self.in_flight) < self.micro_batches:
+            picked = self.scheduler.next_micro_batch(commits)
+            if picked is not None:
+                self._launch(*picked)
 
     def _launch_wedlm_ahead(self, flight: InFlight, fills: mx.array, tokens: mx.array) -> bool:
         """For a micro-batch of WeDLM decode rows, launch the next forward from this step's
         selection before reading it back (wedlm_ahead.py): the device computes step t+1
         while the host reads step t and postprocesses it. Only where every layer runs in
         this process (workers take a forward's kept rows with the forward)."""
-        if not getattr(self.pipeline, "keeps_later", False) or flight.unit < 0:
+        if not getattr(self.pipeline, "keeps_later", False) or flight.unit is PREFILL:
             return False
         live = [i for i, p in enumerate(flight.plans) if not p.seq.finished]
         plans = [flight.plans[i] for i in live]
         if not plans or not all(_wedlm_decoding(p) for p in plans):
             return False
-        group = {s.seq_id for s in self.scheduler.groups[flight.unit] if not s.finished}
-        if group != {p.seq.seq_id for p in plans}:
+        if self.scheduler.joiners(flight.unit, plans) != []:
             return False  # arrivals or departures: the next regular launch takes everyone
-        if len(self.in_flight) + 1 >= self.micro_batches and self._other_work(flight.unit):
+        slot_owed = len(self.in_flight) + 1 >= self.micro_batches
+        if slot_owed and self.scheduler.other_work(flight.unit):
             return False  # the slot is owed to a prefill or another group: no starving
         if all(len(p.seq.output) + len(p.commits) >= p.seq.params.max_tokens for p in plans):
             return False  # every row ends at this step
@@ -421,14 +432,6 @@ class Engine:
         flight.plans = plans
         flight.batch = build_batch(plans)
 
-    def _unpin_forks(self, plans: list[RowPlan]) -> None:
-        """Every stage has run these forwards: their forks' sources may be evicted now."""
-        cache = self.scheduler.cache
-        if cache is not None:
-            for plan in plans:
-                if plan.seq.prefix is not None and plan.seq.prefix.pinned:
-                    cache.unpin(plan.seq.prefix)
-
     def _launch_ahead(self, flight: InFlight, tokens: mx.array) -> bool:
         """For a micro-batch of autoregressive decode rows, launch the next forward from the
         sampled tokens before reading them back, as mlx-lm does: the device computes step
@@ -438,18 +441,17 @@ class Engine:
         the host, so arrivals do not break the chain."""
         live = [i for i, p in enumerate(flight.plans) if not p.seq.finished]
         plans = [flight.plans[i] for i in live]
-        if not plans or flight.unit < 0:
+        if not plans or flight.unit is PREFILL:
             return False
         if not all(_ar_decoding(p.seq) or _drafting_nothing(p) for p in plans):
             return False
-        group = [s for s in self.scheduler.groups[flight.unit] if not s.finished]
-        running = {p.seq.seq_id for p in plans}
-        if not running <= {s.seq_id for s in group}:
+        joiners = self.scheduler.joiners(flight.unit, plans)
+        if joiners is None:
             return False  # a row left the group: the next regular launch takes everyone
-        joiners = [s for s in group if s.seq_id not in running]
         if not all(_ar_decoding(s) for s in joiners):
             return False
-        if len(self.in_flight) + 1 >= self.micro_batches and self._other_work(flight.unit):
+        slot_owed = len(self.in_flight) + 1 >= self.micro_batches
+        if slot_owed and self.scheduler.other_work(flight.unit):
             return False  # the slot is owed to a prefill or another group: no starving
         if not joiners and all(len(p.seq.output) + 1 >= p.seq.params.max_tokens for p in plans):
             return False  # every row ends at this step
@@ -477,15 +479,6 @@ class Engine:
         self.pipeline.submit(batch_id, batch.spec, self.parts.embed(ids), batch.reply_slots())
         self.in_flight.append(InFlight(batch_id, flight.unit, nxt, batch, started))
         return True
-
-    def _other_work(self, unit: int) -> bool:
-        sched = self.scheduler
-        if sched.prefill_ready():  # new prompts that are held (scheduler.py) do not count
-            return True
-        return any(
-            g != unit and g not in sched.busy and any(not s.finished for s in group)
-            for g, group in enumerate(sched.groups)
-        )
 
     def _select(
         self, batch: TickBatch, hidden: mx.array
@@ -539,7 +532,7 @@ class Engine:
     def restart_on(self, pipeline: Pipeline, micro_batches: int | None = None) -> None:
         """Continue on a new pipeline after losing a worker: forwards in flight are gone,
         so every live sequence re-prefills its committed history, then decodes on."""
-        stale = [s.seq_id for s in self.scheduler.running]
+        stale = [s.seq_id for s in self.running]
         stale += [i for ids in self._padding.values() for i in ids]
         stale += self._drop_cache()  # rebuilt by use, never trusted stale
         pipeline.release(stale)  # surviving workers may still hold rows of these
@@ -548,12 +541,7 @@ class Engine:
         self.pipeline = pipeline
         if micro_batches:
             self.micro_batches = micro_batches
-        s = self.scheduler
-        for seq in s.running:
-            seq.restart_prefill()
-        s.groups_count = self.micro_batches
-        s.groups = [[] for _ in range(self.micro_batches)]
-        s.busy.clear()
+        self.scheduler.restart(self.micro_batches)
 
     def requeue_for_memory(self) -> list[Sequence]:
         """After a forward ran out of memory: the forwards in flight are dropped (what the
@@ -565,7 +553,7 @@ class Engine:
             with contextlib.suppress(Exception):  # a forward that failed too: nothing kept
                 self.pipeline.collect()
         self.in_flight.clear()
-        stale = [s.seq_id for s in self.scheduler.running]
+        stale = [s.seq_id for s in self.running]
         stale += [i for ids in self._padding.values() for i in ids]
         stale += self._drop_cache()
         self._padding.clear()

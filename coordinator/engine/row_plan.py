@@ -212,36 +212,33 @@ def plan_next(seq: Sequence, mask_token_id: int, prefill_chunk: int, max_positio
     return plan_autoregressive(seq)
 
 
-def apply_result(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> list[int]:
-    """Postprocess one sequence after its forward; returns the tokens it committed."""
+def apply_result(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> tuple[list[int], Phase]:
+    """Postprocess one sequence after its forward: the tokens it committed, and the phase
+    it is in now (the scheduler sets it)."""
     seq = plan.seq
     seq.kv_length += plan.keep
     before = len(seq.output)
     decoding = seq.phase is Phase.DECODE
     if not decoding:
         seq.prefilled += plan.keep
-        seq.phase = Phase.PREFILL
         if seq.prefilled < len(seq.prefill_tokens()):
-            return []
-        seq.phase = Phase.DECODE
+            return [], Phase.PREFILL
         if seq.rebuild_to:  # history rebuilt: decoding resumes where it stopped
             seq.rebuild_to = 0
-            return []
+            return [], Phase.DECODE
         if seq.params.mode == "wedlm":  # prefill logits are discarded
             w = seq.params.window
             seq.window_tokens = np.zeros(w, dtype=np.int32)
             seq.window_filled = np.zeros(w, dtype=bool)
-            return []
+            return [], Phase.DECODE
     seq.forwards += 1
     if seq.params.mode == "wedlm":
-        seq.commit(plan.commits)
+        end = seq.commit(plan.commits)
         p = plan.keep
         seq.window_tokens = np.where(fills, tokens, plan.tokens[p:]).astype(np.int32)
         seq.window_filled = plan.filled[p:] | fills
     elif seq.params.mode == "speculative" and decoding:
-        seq.commit(accept_speculative(plan, fills, tokens))
+        end = seq.commit(accept_speculative(plan, fills, tokens))
     else:
-        seq.commit([int(tokens[0])])
-    if seq.finish_reason:
-        seq.phase = Phase.FINISHED
-    return seq.output[before:]
+        end = seq.commit([int(tokens[0])])
+    return seq.output[before:], end or Phase.DECODE

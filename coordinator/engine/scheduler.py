@@ -21,27 +21,30 @@ from dataclasses import dataclass, field
 
 from common.errors import WedlmError
 from coordinator.engine.forward_shapes import padded_width, row_bucket
+from coordinator.engine.limits import Limits
 from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.row_plan import RowPlan, apply_result, plan_next
 from coordinator.engine.sequence import Phase, Sequence
 
-PREFILL = -1  # the unit key of prefill micro-batches; decode groups are 0..P-1
+__all__ = ["PREFILL", "Commit", "Limits", "QueueFull", "Scheduler", "Unit"]
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """The unit of prefill micro-batches (prompt chunks of any sequences); decode groups
+    are the units 0..P-1."""
+
+    def __repr__(self) -> str:
+        return "PREFILL"
+
+
+PREFILL = Prefill()
+Unit = Prefill | int  # what a micro-batch belongs to: the prefill turn or a decode group
 
 
 class QueueFull(WedlmError):
     """The waiting queue is at its limit (requests or prompt tokens)."""
 
-
-@dataclass
-class Limits:
-    max_running: int = 16
-    max_queued: int = 256
-    max_queued_tokens: int = 1 << 20
-    prefill_chunk: int = 512  # prompt tokens of one sequence per forward
-    prefill_budget: int = 1024  # padded prompt rows per prefill micro-batch
-    kv_tokens: int | None = None  # KV tokens the workers' free memory holds (None: unknown)
-    prefill_hold: int = 4  # decode steps a new prompt may wait to share a prefill (0: none)
-    prefill_batch: int = 8  # new prompts that start a prefill forward without waiting
 
 
 @dataclass
@@ -60,7 +63,7 @@ class Scheduler:
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
     groups: list[list[Sequence]] = field(default_factory=list)
-    busy: set[int] = field(default_factory=set)  # unit keys with a micro-batch in flight
+    busy: set[Unit] = field(default_factory=set)  # units with a micro-batch in flight
     cache: PrefixCache | None = None  # finished sequences' KV rows, reused by new prompts
     decode_forwards: int = 0  # decode micro-batches completed (the clock of prefill_hold)
     _turn: int = 0
@@ -129,19 +132,36 @@ class Scheduler:
             self._held_since[seq.seq_id] = self.decode_forwards
             self.running.append(seq)
 
-    def cancel(self, seq: Sequence) -> None:
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> None:
+        """Abort a sequence (`reason`: its finish reason, e.g. "deadline")."""
         if seq.finished:
             return
-        seq.finish_reason = "cancelled"
-        seq.phase = Phase.FINISHED
+        seq.abort_reason = reason
+        seq.phase = Phase.ABORTED
         if seq in self.waiting:
             self.waiting.remove(seq)
 
+    def regroup(self, groups_count: int) -> None:
+        """Start over with this many empty decode groups and nothing in flight (a new
+        pipeline; call while no sequence decodes, or after `restart`)."""
+        self.groups_count = groups_count
+        self.groups = [[] for _ in range(groups_count)]
+        self.busy.clear()
+
+    def restart(self, groups_count: int) -> None:
+        """Every running sequence re-prefills its committed history on a new pipeline with
+        this many decode groups (the forwards in flight are gone)."""
+        for seq in self.running:
+            seq.restart_prefill()
+            if not seq.finished:
+                seq.phase = Phase.PREFILL
+        self.regroup(groups_count)
+
     # ---- forming micro-batches -------------------------------------------------------
-    def units(self) -> list[int]:
+    def units(self) -> list[Unit]:
         return [PREFILL, *range(self.groups_count)]
 
-    def next_micro_batch(self, commits: list[Commit]) -> tuple[int, list[RowPlan]] | None:
+    def next_micro_batch(self, commits: list[Commit]) -> tuple[Unit, list[RowPlan]] | None:
         """The next unit with work that is not in flight, round robin, and its plans."""
         units = self.units()
         for i in range(len(units)):
@@ -155,8 +175,8 @@ class Scheduler:
                 return unit, plans
         return None
 
-    def _plans(self, unit: int, commits: list[Commit]) -> list[RowPlan]:
-        if unit == PREFILL:
+    def _plans(self, unit: Unit, commits: list[Commit]) -> list[RowPlan]:
+        if unit is PREFILL:
             return self._prefill_plans()
         plans = []
         for seq in self.groups[unit]:
@@ -170,15 +190,13 @@ class Scheduler:
         """`seq`'s next row plan, or None when it finishes without a forward: the tokens
         that end it are known, or its next window would pass the context."""
         plan = self.plan(seq)
-        if plan.commits and seq.would_finish(plan.commits):
+        if plan.commits and seq.ending(plan.commits)[1] is not None:
             before = len(seq.output)
-            seq.commit(plan.commits)
-            seq.phase = Phase.FINISHED
+            seq.phase = seq.commit(plan.commits)
             commits.append(Commit(seq, seq.output[before:]))
             return None
         if seq.kv_length + plan.width > self.max_positions:
-            seq.finish_reason = "length"
-            seq.phase = Phase.FINISHED
+            seq.phase = Phase.LENGTH
             commits.append(Commit(seq, []))
             return None
         return plan
@@ -190,7 +208,8 @@ class Scheduler:
     def apply(self, plan: RowPlan, row: int, fills, tokens) -> list[int]:
         """Apply row `row` of a forward's results to its sequence; the new tokens."""
         k = plan.head_slots.size
-        return apply_result(plan, fills[row, :k], tokens[row, :k])
+        new, plan.seq.phase = apply_result(plan, fills[row, :k], tokens[row, :k])
+        return new
 
     def prefill_pending(self) -> list[Sequence]:
         return [s for s in self.running if s.phase is Phase.PREFILL and not s.finished]
@@ -232,12 +251,14 @@ class Scheduler:
 
     # ---- the only place sequences change state ---------------------------------------
     def postprocess(
-        self, unit: int, plans: list[RowPlan], fills, tokens, started: float
+        self, unit: Unit, plans: list[RowPlan], fills, tokens, started: float, ahead: bool
     ) -> list[Commit]:
         """`started`: when this forward's launch began (wall times are spans from the
-        first launch, so overlapping forwards are not counted twice)."""
-        self.busy.discard(unit)
-        if unit != PREFILL:
+        first launch, so overlapping forwards are not counted twice). `ahead`: the unit's
+        next forward is in flight already (the look-ahead), so it stays busy."""
+        if not ahead:
+            self.busy.discard(unit)
+        if unit is not PREFILL:
             self.decode_forwards += 1
         commits = []
         done_at = time.perf_counter()
@@ -258,7 +279,57 @@ class Scheduler:
                 self._held_since.pop(seq.seq_id, None)
             if new or seq.finished:
                 commits.append(Commit(seq, new))
+        self._unpin_forks(plans)
         return commits
+
+    def _unpin_forks(self, plans: list[RowPlan]) -> None:
+        """Every stage has run these forwards: their forks' sources may be evicted now."""
+        if self.cache is not None:
+            for plan in plans:
+                if plan.seq.prefix is not None and plan.seq.prefix.pinned:
+                    self.cache.unpin(plan.seq.prefix)
+
+    # ---- the look-ahead (engine._launch_ahead) ---------------------------------------
+    def joiners(self, unit: Unit, plans: list[RowPlan]) -> list[Sequence] | None:
+        """The sequences of decode group `unit` that joined it since `plans` were made
+        (their prefill ended), or None when a row of `plans` left the group."""
+        group = [s for s in self.groups[unit] if not s.finished]
+        running = {p.seq.seq_id for p in plans}
+        if not running <= {s.seq_id for s in group}:
+            return None
+        return [s for s in group if s.seq_id not in running]
+
+    def other_work(self, unit: Unit) -> bool:
+        """Whether a prefill or another idle group with work waits for a launch slot
+        (new prompts that are held do not count)."""
+        if self.prefill_ready():
+            return True
+        return any(
+            g != unit and g not in self.busy and any(not s.finished for s in group)
+            for g, group in enumerate(self.groups)
+        )
+
+    # ---- finished sequences ------------------------------------------------------------
+    def retire(self, done: list[Sequence]) -> list[int]:
+        """Hand reaped sequences' KV rows to the prefix cache; returns the ids whose rows
+        the stages may drop (not kept, or evicted for room)."""
+        cache = self.cache
+        if cache is None:
+            return [s.seq_id for s in done]
+        untrusted = []
+        for seq in done:
+            if seq.prefix is not None:
+                cache.unpin(seq.prefix)
+            tokens = seq.cacheable()
+            if tokens is None:
+                untrusted.append(seq.seq_id)
+            else:
+                cache.insert(seq.seq_id, tokens, self.limits.kv_tokens)
+        return untrusted + cache.take_dropped()
+
+    def drop_cache(self) -> list[int]:
+        """Forget the prefix cache; returns the ids whose rows stages may still hold."""
+        return self.cache.clear() if self.cache is not None else []
 
     def reap(self, in_flight: set[int]) -> list[Sequence]:
         """Drop finished sequences that no forward in flight includes; their KV can go."""
@@ -293,25 +364,22 @@ class Scheduler:
             seq.phase = Phase.WAITING
         self.waiting.extendleft(reversed(back))
         self.running = [s for s in self.running if s.finished]  # reaped as usual
-        self.busy.clear()
         self._held_since.clear()
-        self.groups = [[] for _ in range(self.groups_count)]
+        self.regroup(self.groups_count)
         return back
 
     def fail(self, seqs: list[Sequence]) -> None:
         """Finish these (running or waiting) sequences with an error."""
         for seq in seqs:
-            seq.finish_reason = "error"
-            seq.phase = Phase.FINISHED
+            seq.phase = Phase.ERROR
             if seq in self.waiting:
                 self.waiting.remove(seq)
 
     def fail_all(self) -> list[Sequence]:
         failed = [s for s in self.running if not s.finished]
         for seq in failed:
-            seq.finish_reason = "error"
-            seq.phase = Phase.FINISHED
-        self.running, self.busy = [], set()
+            seq.phase = Phase.ERROR
+        self.running = []
         self._held_since.clear()
-        self.groups = [[] for _ in range(self.groups_count)]
+        self.regroup(self.groups_count)
         return failed

@@ -14,10 +14,23 @@ from coordinator.engine.prefix_cache import PrefixHit
 
 
 class Phase(Enum):
+    """Where a sequence is; the four last are its end, and say why it ended. Only the
+    schedulers (scheduler.py, diffusion/scheduler.py) change it."""
+
     WAITING = "waiting"
     PREFILL = "prefill"
     DECODE = "decode"
-    FINISHED = "finished"
+    STOPPED = "stop"  # a stop id or stop string
+    LENGTH = "length"  # max_tokens, or the model's context
+    ABORTED = "aborted"  # the client, a deadline or a shutdown (Sequence.abort_reason)
+    ERROR = "error"  # a forward failed and could not be mended
+
+    @property
+    def finished(self) -> bool:
+        return self in _ENDS
+
+
+_ENDS = frozenset({Phase.STOPPED, Phase.LENGTH, Phase.ABORTED, Phase.ERROR})
 
 
 @dataclass
@@ -45,7 +58,7 @@ class Sequence:
     forwards: int = 0  # forwards that produced tokens for this sequence
     canvas: Any = None  # diffusion mode: the canvas being denoised (diffusion/canvas.py)
     canvases: int = 0  # diffusion mode: canvases committed so far
-    finish_reason: str | None = None
+    abort_reason: str = ""  # why an ABORTED sequence was aborted ("cancelled", "deadline")
     warning: str = ""  # why its decoding may be degraded on this checkpoint (mode_warning)
     prefill_s: float = 0.0  # wall time from its first prefill launch to the prompt's end
     decode_s: float = 0.0  # wall time from its first decode launch to its last commit
@@ -58,7 +71,17 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.phase is Phase.FINISHED
+        return self.phase in _ENDS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why it ended, as the APIs say it ("stop", "length", "error", or the abort's
+        reason); None while it runs."""
+        if self.phase not in _ENDS:
+            return None
+        if self.phase is Phase.ABORTED:
+            return self.abort_reason or "cancelled"
+        return self.phase.value
 
     def prefill_tokens(self) -> list[int]:
         """What prefill must put into the KV: the prompt, or after a worker loss the whole
@@ -68,7 +91,8 @@ class Sequence:
         return self.prompt
 
     def restart_prefill(self) -> None:
-        """Forget the KV (its worker is gone); keep tokens, window and counters."""
+        """Forget the KV (its worker is gone); keep tokens, window and counters. The
+        scheduler moves it back to PREFILL."""
         if self.phase is Phase.DECODE:
             self.rebuild_to = self.kv_length
         self.kv_length = 0
@@ -77,8 +101,6 @@ class Sequence:
         self.cached_tokens = 0
         if self.canvas is not None:  # diffusion: the canvas goes on, its K/V is gone
             self.canvas.restart()
-        if not self.finished:
-            self.phase = Phase.PREFILL
 
     def start_from(self, hit: PrefixHit) -> None:
         """Start with `hit.length` prompt rows already in the KV (copied from the cache
@@ -89,7 +111,7 @@ class Sequence:
     def cacheable(self) -> list[int] | None:
         """The tokens whose KV the stages hold for this finished sequence, or None when
         they hold none that can be trusted (it failed, or its fork never ran)."""
-        if self.finish_reason == "error" or (self.prefix is not None and not self.prefix.sent):
+        if self.phase is Phase.ERROR or (self.prefix is not None and not self.prefix.sent):
             return None
         return (self.prompt + self.output)[: self.kv_length]
 
@@ -104,36 +126,31 @@ class Sequence:
         masks = np.flatnonzero(~self.window_filled)
         return int(masks[0]) if masks.size else int(self.window_filled.size)
 
-    def commit(self, tokens: list[int]) -> int:
-        """Append tokens one by one, stopping at a stop id, a stop string or max_tokens.
-
-        Returns how many were taken; sets finish_reason when the sequence is complete.
-        """
+    def ending(self, tokens: list[int]) -> tuple[int, Phase | None]:
+        """How many of `tokens` a commit takes (up to the first that ends the sequence: a
+        stop id, a stop string or max_tokens) and the phase it ends in (None: it goes on).
+        Nothing changes."""
         stop_ids = self.params.all_stop_ids
-        taken = 0
-        for token in tokens:
-            self.output.append(int(token))
-            taken += 1
-            if token in stop_ids or self._hit_stop_string():
-                self.finish_reason = "stop"
-            elif len(self.output) >= self.params.max_tokens:
-                self.finish_reason = "length"
-            if self.finish_reason:
-                break
-        return taken
+        strings = self.params.stop_strings if self.text_tail is not None else ()
+        done = len(self.output)
+        for i, token in enumerate(tokens, 1):
+            if token in stop_ids or (strings and self._stop_string_in(tokens[:i])):
+                return i, Phase.STOPPED
+            if done + i >= self.params.max_tokens:
+                return i, Phase.LENGTH
+        return len(tokens), None
 
-    def would_finish(self, tokens: list[int]) -> bool:
-        """Whether committing `tokens` ends the sequence (checked without committing)."""
-        before = len(self.output)
-        self.commit(tokens)
-        done = self.finish_reason is not None
-        del self.output[before:]
-        self.finish_reason = None
-        return done
+    def commit(self, tokens: list[int]) -> Phase | None:
+        """Append what `ending` takes of `tokens`; returns the phase the sequence ends in
+        (None: it goes on), for its scheduler to set."""
+        taken, end = self.ending(tokens)
+        self.output.extend(int(t) for t in tokens[:taken])
+        return end
 
-    def _hit_stop_string(self) -> bool:
-        if not self.params.stop_strings or self.text_tail is None:
-            return False
-        longest = max(len(s) for s in self.params.stop_strings)
-        tail = self.text_tail(self.output[-(longest + 4) :])
-        return any(s in tail for s in self.params.stop_strings)
+    def _stop_string_in(self, new: list[int]) -> bool:
+        """Whether the text ends with a stop string once `new` follows the output."""
+        strings = self.params.stop_strings
+        longest = max(len(s) for s in strings) + 4
+        ids = (self.output[-longest:] + [int(t) for t in new])[-longest:]
+        tail = self.text_tail(ids)
+        return any(s in tail for s in strings)

@@ -29,6 +29,7 @@ from coordinator.http_api.response_format import response_format_grammar, tool_c
 from coordinator.http_api.schemas import ChatCompletionRequest, GenerationFields
 from coordinator.http_api.stop_text import StopText, trim_at_stop
 from coordinator.service.jobs import Job
+from coordinator.service.messages import Final, Tokens
 from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 
 Encode = Callable[[], tuple[list[int], GenerationParams]]
@@ -114,15 +115,15 @@ class Generation:
         logprobs: list = []  # of those tokens (a piece held back keeps them)
         try:
             while (event := await self.events.next(self.request, merge)) is not None:
-                if event[0] == "tokens":
-                    forwards, tokens = forwards + event[3], tokens + len(event[1])
-                    logprobs += event[4]
-                    if text := trimmer.add(event[2]):
+                if isinstance(event, Tokens):
+                    forwards, tokens = forwards + event.commits, tokens + len(event.ids)
+                    logprobs += event.logprobs or ()
+                    if text := trimmer.add(event.text):
                         yield CommitText(text, forwards, tokens, logprobs)
                         forwards = tokens = 0
                         logprobs = []
                     continue
-                result = event[1]
+                result = event.result
                 if not result.get("error"):
                     if tail := trimmer.finish():
                         yield CommitText(tail, forwards, tokens, logprobs)
@@ -144,8 +145,8 @@ class Generation:
         client disconnected first."""
         try:
             while (event := await self.events.next(self.request)) is not None:
-                if event[0] == "final":
-                    result = event[1]
+                if isinstance(event, Final):
+                    result = event.result
                     return result if result.get("error") else self._trimmed(result)
             return None
         finally:

@@ -29,6 +29,7 @@ from coordinator.service.fault_hooks import (
     fail_next_collect,
 )
 from coordinator.service.jobs import Job
+from coordinator.service.messages import Cancel, Inbox, Stop, Submit, Wake
 from coordinator.service.metrics import Metrics
 from coordinator.service.results import (
     ENGINE_STOPPED,
@@ -94,23 +95,23 @@ class EngineLoop(threading.Thread):
     def submit(self, job: Job) -> None:
         with self._door:
             if self.dead is None:
-                self.inbox.put(("submit", job))
+                self.inbox.put(Submit(job))
                 return
         job.finish("failed", error_record(len(job.prompt), self._death_message(), ENGINE_STOPPED))
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
-        self.inbox.put(("cancel", job, reason))
+        self.inbox.put(Cancel(job, reason))
 
     def request_replan(self, reason: str) -> None:
         """Plan the pipeline anew at the next tick (a worker joined): in-flight forwards
         are dropped and every live sequence re-prefills, as after a loss."""
         self._replan = reason
-        self.inbox.put(("wake", None))
+        self.inbox.put(Wake())
 
     def stop(self) -> None:
         """Ask the thread to end after the tick in progress (join it to wait for that)."""
         self._stopping.set()
-        self.inbox.put(("stop", None))
+        self.inbox.put(Stop())
 
     # ---- the engine thread ---------------------------------------------------------
     def run(self) -> None:
@@ -136,13 +137,15 @@ class EngineLoop(threading.Thread):
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 break
-            job = item[1]
-            if item[0] == "submit" and job is not None:
+            if isinstance(item, Submit):
+                job = item.job
                 job.finish("failed", error_record(len(job.prompt), message, ENGINE_STOPPED))
         with contextlib.suppress(Exception):  # the engine's state may be what broke
             self.engine.fail_all()
-        for live in list(self._live.values()):
-            live.seq.finish_reason = "error"
+        lives = list(self._live.values())
+        with contextlib.suppress(Exception):
+            self.engine.fail([live.seq for live in lives])
+        for live in lives:
             self._finish(live.seq, "failed", message, ENGINE_STOPPED)
 
     def _serve(self) -> None:
@@ -173,25 +176,26 @@ class EngineLoop(threading.Thread):
         except queue.Empty:
             return
         while True:
-            self._handle(*item)
+            self._handle(item)
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle(self, kind: str, job: Job | None, reason: str = "cancelled") -> None:
-        if kind == "wake":
-            return
-        if kind == "submit" and job is not None and not job.finished:
-            try:
-                seq = self.engine.submit(job.prompt, job.params)
-            except QueueFull as e:  # a backstop: the servicer checks the limits first
-                job.finish("failed", error_record(len(job.prompt), str(e)))
-                return
-            job.seq_id = seq.seq_id
-            self._live[seq.seq_id] = _Live(job, seq, self.tokenizer.detokenizer())
-        elif kind == "cancel" and job is not None and job.seq_id in self._live:
-            self._end(self._live[job.seq_id], "cancelled", reason)
+    def _handle(self, message: Inbox) -> None:
+        match message:
+            case Submit(job) if not job.finished:
+                try:
+                    seq = self.engine.submit(job.prompt, job.params)
+                except QueueFull as e:  # a backstop: the servicer checks the limits first
+                    job.finish("failed", error_record(len(job.prompt), str(e)))
+                    return
+                job.seq_id = seq.seq_id
+                self._live[seq.seq_id] = _Live(job, seq, self.tokenizer.detokenizer())
+            case Cancel(job, reason) if job.seq_id in self._live:
+                self._end(self._live[job.seq_id], "cancelled", reason)
+            case _:  # Wake, Stop (the loop reads its flags), or nothing left to do
+                pass
 
     def _expire(self) -> None:
         now = time.time()
@@ -201,8 +205,7 @@ class EngineLoop(threading.Thread):
                 self._end(live, "cancelled", reason="deadline")
 
     def _end(self, live: _Live, state: str, reason: str = "cancelled") -> None:
-        self.engine.cancel(live.seq)
-        live.seq.finish_reason = reason
+        self.engine.cancel(live.seq, reason)
         self._finish(live.seq, state)
 
     def _tick(self) -> None:

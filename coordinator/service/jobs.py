@@ -14,6 +14,7 @@ from typing import Any
 
 from common.generation_params import GenerationParams
 from coordinator.service.job_store import JobStore, decode_request, encode_request
+from coordinator.service.messages import Final, JobEvent, Tokens
 
 TERMINAL = ("done", "cancelled", "failed")
 
@@ -31,7 +32,7 @@ class Job:
     seq_id: int | None = None
     deadline: float | None = None  # wall-clock time after which the job is cancelled
     on_finish: Callable[[Job], None] | None = field(default=None, repr=False)
-    _listeners: list[Callable[[tuple], None]] = field(default_factory=list, repr=False)
+    _listeners: list[Callable[[JobEvent], None]] = field(default_factory=list, repr=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     @property
@@ -39,21 +40,21 @@ class Job:
         return self.state in TERMINAL
 
     def listen(self) -> queue.Queue:
-        """A queue receiving ("tokens", ids, text, logprobs) and finally ("final", result)
-        (logprobs: one TokenLogprob per id, or None when the request asked for none)."""
+        """A queue receiving Tokens events and finally a Final (messages.py); a Tokens'
+        logprobs: one TokenLogprob per id, or None when the request asked for none."""
         q: queue.Queue = queue.Queue()
         self.listen_with(q.put)
         return q
 
-    def listen_with(self, put: Callable[[tuple], None]) -> None:
+    def listen_with(self, put: Callable[[JobEvent], None]) -> None:
         """Call `put` with each event, from the engine thread (it must not block): what
         was committed so far at once, then each commit, then the final result. An asyncio
         front end passes a put that hands the event to its own loop."""
         with self._cond:
             if self.tokens:
-                put(("tokens", list(self.tokens), None, list(self.logprobs) or None))
+                put(Tokens(list(self.tokens), None, 1, list(self.logprobs) or None))
             if self.result is not None:
-                put(("final", self.result))
+                put(Final(self.result))
             else:
                 self._listeners.append(put)
 
@@ -68,7 +69,7 @@ class Job:
             self.tokens.extend(ids)
             self.logprobs.extend(logprobs or ())
             for put in self._listeners:
-                put(("tokens", ids, text, logprobs))
+                put(Tokens(ids, text, 1, logprobs))
 
     def finish(self, state: str, result: dict[str, Any]) -> None:
         with self._cond:
@@ -77,7 +78,7 @@ class Job:
             self.state = state
             self.result = result
             for put in self._listeners:
-                put(("final", result))
+                put(Final(result))
             self._listeners.clear()
             self._cond.notify_all()
         if self.on_finish is not None:

@@ -17,8 +17,8 @@ from pathlib import Path
 from common.errors import WedlmError
 from common.tls import load_tls
 from coordinator.engine.local_engine import resolve_model
+from coordinator.service.serve_args import serve_options
 from coordinator.service.server import CoordinatorServer
-from coordinator.service.server_cli import serve_options
 from wedlm_client.cli import params_from_args
 from wedlm_client.client import WedlmClient
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from common.errors import WedlmError
 from common.layer_range import LayerRange
+from coordinator.engine.limits import knobs
 from coordinator.service.request_limits import MIN_REQUEST_BYTES
 
 # key → (type, description) ; every key is optional
@@ -25,10 +26,8 @@ KEYS: dict[str, tuple[type, str]] = {
     "layers": (str, "the coordinator's own layer range A-B (A = 0)"),
     "bonjour": (bool, "find workers over Bonjour"),
     "max_running": (int, "sequences decoded at once"),
-    "max_queued": (int, "requests waiting beyond max_running"),
-    "max_queued_tokens": (int, "prompt tokens waiting"),
-    "prefill_hold": (int, "decode steps a new prompt may wait to share a prefill forward"),
-    "prefill_batch": (int, "new prompts that start a prefill forward without waiting"),
+    # the scheduler's settings, declared in coordinator/engine/limits.py
+    **{f.name: (int, knob.help) for f, knob in knobs()},
     "micro_batches": (int, "micro-batches in flight"),
     "metrics_port": (int, "Prometheus metrics HTTP port"),
     "kv_reserve_tokens": (int, "KV tokens reserved per worker when planning"),
@@ -49,7 +48,8 @@ KEYS: dict[str, tuple[type, str]] = {
     "cors_origins": (list, "browser origins the HTTP API answers cross-origin (CORS)"),
 }
 
-_ZERO_ALLOWED = ("port", "expect", "http_port", "prefill_hold")  # 0 means something
+_NON_NEGATIVE = ("expect", *(f.name for f, knob in knobs() if knob.low == 0))
+_ZERO_ALLOWED = ("port", "http_port", *_NON_NEGATIVE)  # 0 means something
 
 
 def load_serve_config(path: str | Path) -> dict[str, Any]:
@@ -95,7 +95,7 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
             raise WedlmError(f"{path}: {key} must be in [0, 65535], got {value}")
         if key == "max_request_bytes" and value < MIN_REQUEST_BYTES:
             raise WedlmError(f"{path}: {key} must be at least {MIN_REQUEST_BYTES}, got {value}")
-        if key in ("expect", "prefill_hold") and value < 0:
+        if key in _NON_NEGATIVE and value < 0:
             raise WedlmError(f"{path}: {key} must be 0 or more, got {value}")
         out["wait_timeout" if key == "wait_for_workers" else key] = value
     for file_key, key in (("secret_file", "secret"), ("api_key_file", "api_key")):

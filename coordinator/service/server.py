@@ -11,7 +11,7 @@ import statistics
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -96,10 +96,7 @@ class ServeOptions:
     warm_up: str = "auto"  # run the first shapes once before readiness: on, off, auto (GPUs)
     layers: LayerRange | None = None  # ... exactly these (--layers; must start at 0)
     max_running: int | None = None  # None: sized to memory once planned (running_limit.py)
-    max_queued: int = 256
-    max_queued_tokens: int = 1 << 20
-    prefill_hold: int = 4  # decode steps a new prompt may wait to share a prefill forward
-    prefill_batch: int = 8  # new prompts that start a prefill forward without waiting
+    limits: Limits = field(default_factory=Limits)  # the queue and prefill settings
     micro_batches: int = 0  # 0: one per pipeline stage
     metrics_port: int | None = None
     wait_timeout_s: float = 600.0  # --wait-for-workers: then say what is missing
@@ -147,12 +144,7 @@ class CoordinatorServer:
             opts.max_running or AUTO_MAX_RUNNING,  # sized to memory once planned
             text_tail=self.tokenizer.decode,
             stop_ids=self.tokenizer.stop_ids,
-            limits=Limits(
-                max_queued=opts.max_queued,
-                max_queued_tokens=opts.max_queued_tokens,
-                prefill_hold=opts.prefill_hold,
-                prefill_batch=opts.prefill_batch,
-            ),
+            limits=replace(opts.limits),
             prefix_cache=PrefixCache(opts.prefix_cache_tokens) if opts.prefix_cache else None,
         )
         grammars = Grammars(self.tokenizer, self.config.vocab_size, self.engine.model_stop_ids)

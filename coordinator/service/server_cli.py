@@ -15,10 +15,14 @@ from pathlib import Path
 
 from common.api_key_env import API_KEY_ENV
 from common.errors import WedlmError
-from common.kv_format import KV_BITS, KV_GROUP_SIZES, KVFormat
+from common.kv_format import KV_BITS, KV_GROUP_SIZES
 from common.layer_range import LayerRange
 from common.server_install import require_server_install
+from coordinator.engine.limits import knobs
 from coordinator.service.request_limits import BYTES_PER_TOKEN, MIN_REQUEST_BYTES
+from coordinator.service.serve_args import serve_options, state_dir
+
+__all__ = ["apply_config", "build_parser", "main", "serve_options"]
 
 SIGNAL_POLL_S = 0.05  # how soon SIGTERM/SIGINT starts the drain
 
@@ -89,31 +93,10 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         help="sequences decoded at once (default: as many typical requests as the measured "
         "free memory holds, up to 64; the startup log and `wedlm status` say why)",
     )
-    p.add_argument(
-        "--max-queued",
-        type=_positive,
-        default=256,
-        help="requests waiting beyond --max-running; more get RESOURCE_EXHAUSTED",
-    )
-    p.add_argument(
-        "--max-queued-tokens",
-        type=_positive,
-        default=1 << 20,
-        help="prompt tokens waiting; more get RESOURCE_EXHAUSTED",
-    )
-    p.add_argument(
-        "--prefill-hold",
-        type=_non_negative,
-        default=4,
-        help="decode steps a new prompt may wait, while others decode, for more prompts to "
-        "share its prefill forward (0: prefill each arrival at once)",
-    )
-    p.add_argument(
-        "--prefill-batch",
-        type=_positive,
-        default=8,
-        help="new prompts that start a prefill forward without waiting (see --prefill-hold)",
-    )
+    for f, knob in knobs():  # the scheduler's settings (coordinator/engine/limits.py)
+        parse = _positive if knob.low == 1 else _number(int, knob.low, "a whole number")
+        flag = "--" + f.name.replace("_", "-")
+        p.add_argument(flag, type=parse, default=f.default, help=knob.help)
     p.add_argument(
         "--micro-batches",
         type=_positive,
@@ -270,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, seconds accepted jobs may take to finish",
     )
     serve.set_defaults(subparser=serve)
+    add_generate_command(sub)
     local = sub.add_parser("local", help="start a local cluster and answer one prompt")
     local.add_argument("--workers", type=_positive, default=2)
     local.add_argument(
@@ -305,54 +289,6 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
                 setattr(args, key, Path(value) if key == "state_dir" else value)
     if not args.model:
         raise WedlmError("--model is required (on the command line or in --config)")
-
-
-def state_dir(flag: Path | None) -> Path | None:
-    if flag is not None:
-        return None if str(flag) == "none" else flag
-    if sys.platform == "darwin":
-        return Path.home() / "Library" / "Application Support" / "wedlm-cluster"
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "wedlm-cluster"
-
-
-def serve_options(args: argparse.Namespace, **fixed):
-    """ServeOptions from the flags `serve` and `local` share, plus `fixed` ones."""
-    from common.tls import load_tls
-    from coordinator.engine.local_engine import resolve_model
-    from coordinator.service.server import ServeOptions
-
-    shared = dict(
-        host=args.host,
-        port=args.port,
-        cluster=args.cluster,
-        secret=args.secret,
-        max_running=args.max_running,
-        max_queued=args.max_queued,
-        max_queued_tokens=args.max_queued_tokens,
-        prefill_hold=args.prefill_hold,
-        prefill_batch=args.prefill_batch,
-        micro_batches=args.micro_batches or 0,
-        metrics_port=args.metrics_port,
-        wait_timeout_s=args.wait_timeout,
-        kv_reserve_tokens=args.kv_reserve_tokens,
-        keep_finished=args.keep_finished,
-        local_layers=not args.no_local_layers,
-        warm_up=args.warm_up,
-        layers=args.layers,
-        tls=load_tls(args.tls_cert, args.tls_key, args.tls_ca),
-        http_port=args.http_port,
-        api_key=args.api_key or None,
-        served_model_name=args.served_model_name,
-        draft_model=resolve_model(args.draft_model) if args.draft_model else None,
-        kv=KVFormat(args.kv_bits, args.kv_group_size),
-        prefix_cache=not args.no_prefix_cache,
-        prefix_cache_tokens=args.prefix_cache_tokens,
-        default_max_tokens=args.default_max_tokens,
-        max_request_bytes=args.max_request_bytes,
-        cors_origins=tuple(args.cors_origins or ()),
-    )
-    return ServeOptions(**{**shared, **fixed})
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -398,12 +334,32 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_generate_command(sub) -> None:
+    """`generate`: one prompt on a single-process engine on this machine (what
+    `wedlm generate --model` runs), with `wedlm generate`'s flags."""
+    from wedlm_client.cli import add_generation_flags, add_tls_flags
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt on this machine")
+    gen.add_argument("--model", required=True, help="a model folder, or 'default'")
+    add_generation_flags(gen)
+    gen.add_argument(
+        "--draft-model",
+        help="a small model with the same tokenizer drafting for --mode speculative",
+    )
+    add_tls_flags(gen)  # accepted as `wedlm generate` accepts them; nothing is dialled
+
+
 def main(argv: Seq[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "generate":  # as `wedlm generate`: warnings only
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     require_server_install(parser.prog)
     try:
+        if args.command == "generate":
+            from coordinator.service.local_generate import run_generate
+
+            return run_generate(args)
         if args.command == "serve":
             apply_config(args, args.subparser)
             return serve(args)

@@ -23,6 +23,7 @@ from coordinator.service.admission import (
     Refused,
 )
 from coordinator.service.jobs import Job
+from coordinator.service.messages import Final, Tokens, merged
 from coordinator.service.request_parsing import params_from_request, prompt_from_request
 from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 
@@ -127,28 +128,31 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     return
                 continue
             final = None
-            if item[0] == "tokens":
-                # Under load several commits wait here: send them as one chunk (one
-                # message, one wake-up of this thread per client instead of one per commit).
-                ids, text = list(item[1]), [item[2] or ""]
-                while True:
-                    try:
-                        more = events.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more[0] != "tokens":
-                        final = more
-                        break
-                    ids += more[1]
-                    text.append(more[2] or "")
-                yield pb.GenerateEvent(tokens=pb.TokenChunk(ids=ids, text="".join(text)))
-            else:
-                final = item
+            match item:
+                case Tokens():
+                    # Under load several commits wait here: send them as one chunk (one
+                    # message, one wake-up of this thread per client instead of one per
+                    # commit); a Final waiting behind them is sent right after.
+                    more = []
+                    while final is None:
+                        try:
+                            nxt = events.get_nowait()
+                        except queue.Empty:
+                            break
+                        if isinstance(nxt, Tokens):
+                            more.append(nxt)
+                        else:
+                            final = nxt
+                    chunk = merged(item, more)
+                    text = chunk.text or ""
+                    yield pb.GenerateEvent(tokens=pb.TokenChunk(ids=chunk.ids, text=text))
+                case Final():
+                    final = item
             if final is not None:
-                status = _FAILED_STATUS.get(final[1].get("error_kind", ""))
+                status = _FAILED_STATUS.get(final.result.get("error_kind", ""))
                 if status is not None:
-                    context.abort(status, final[1]["error"])
-                yield pb.GenerateEvent(final=final_message(final[1]))
+                    context.abort(status, final.result["error"])
+                yield pb.GenerateEvent(final=final_message(final.result))
                 return
 
     def Submit(self, request, context) -> pb.JobRef:

@@ -21,10 +21,10 @@ from coordinator.engine.diffusion.scheduler import CanvasScheduler
 from coordinator.engine.diffusion.settings import DiffusionSettings, load_settings
 from coordinator.engine.diffusion.step_result import StepResult
 from coordinator.engine.diffusion.turbo import turbo_step
-from coordinator.engine.engine import Engine, InFlight
+from coordinator.engine.engine import Engine, InFlight, Ran
 from coordinator.engine.forward_shapes import ShapeLimits
 from coordinator.engine.pipeline import Pipeline
-from coordinator.engine.scheduler import Commit, Limits
+from coordinator.engine.scheduler import Commit, Limits, Unit
 from coordinator.engine.sequence import Sequence
 from coordinator.engine.tick_batch import TickBatch, build_batch
 
@@ -91,7 +91,7 @@ class DiffusionEngine(Engine):
         return seq
 
     # ---- one micro-batch ----------------------------------------------------------------
-    def _launch(self, unit: int, plans) -> None:
+    def _launch(self, unit: Unit, plans) -> None:
         started = time.perf_counter()
         batch = build_batch(plans, padding_ids=self._padding_ids(unit, len(plans)))
         hidden = self._embed(batch)
@@ -135,7 +135,7 @@ class DiffusionEngine(Engine):
         is_canvas = (slot >= enc[:, None]) & (slot < spec.widths[:, None])
         return mx.where(mx.array(is_canvas)[:, :, None], canvas, emb)
 
-    def _complete(self) -> list[Commit]:
+    def _complete(self, commits: list[Commit]) -> Ran:
         flight = self.in_flight.popleft()
         batch_id, hidden = self.pipeline.collect()
         assert batch_id == flight.batch_id, "micro-batches complete in order"
@@ -143,17 +143,7 @@ class DiffusionEngine(Engine):
         arrays = [a for s in steps for a in s.arrays()]
         keys = [p.seq.canvas.key for p in flight.plans if p.canvas]
         mx.async_eval(arrays, keys)
-        commits: list[Commit] = []
-        if len(self.in_flight) < self.micro_batches:
-            # another unit's micro-batch does not depend on this one: the device runs it
-            # while the host reads and postprocesses this one
-            picked = self.scheduler.next_micro_batch(commits)
-            try:
-                if picked is not None:
-                    self._launch(*picked)
-            except Exception:
-                self.undelivered += commits
-                raise
+        self._launch_other(commits)
         mx.eval(arrays, keys)  # the one host sync of this micro-batch
         self.forwards += 1
         results = {}
@@ -164,10 +154,7 @@ class DiffusionEngine(Engine):
                 canvas = flight.plans[row].seq.canvas
                 if step.conditioning is not None:
                     canvas.conditioning = step.conditioning[j, : canvas.length]
-        commits += self.scheduler.postprocess(
-            flight.unit, flight.plans, results, None, flight.started
-        )
-        return commits
+        return Ran(flight, results, None, ahead=False)
 
     def _sample(self, batch: TickBatch, hidden: mx.array) -> list[StepResult]:
         """One denoising step for every canvas row, by sampler: the reference's rows on

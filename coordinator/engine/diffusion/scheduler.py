@@ -89,7 +89,6 @@ class CanvasScheduler(Scheduler):
         seq.kv_length += plan.keep
         if seq.phase is not Phase.DECODE:
             seq.prefilled += plan.keep
-            seq.phase = Phase.PREFILL
             if seq.prefilled < len(seq.prefill_tokens()):
                 return []
             seq.phase = Phase.DECODE
@@ -157,14 +156,14 @@ class CanvasScheduler(Scheduler):
         seq.canvas = None
         seq.canvases += 1
         self.canvases_committed += 1
-        seq.commit([int(t) for t in tokens])
+        end = seq.commit([int(t) for t in tokens])
         if seq.params.sampler == "turbo":
-            end = repeat_end(seq.output, before, self.settings.turbo.repeat_guard)
-            if end is not None:  # the repeat guard: degenerate text ends the request
-                del seq.output[end:]
-                seq.finish_reason = "stop"
-        if seq.finish_reason:
-            seq.phase = Phase.FINISHED
+            repeat = repeat_end(seq.output, before, self.settings.turbo.repeat_guard)
+            if repeat is not None:  # the repeat guard: degenerate text ends the request
+                del seq.output[repeat:]
+                end = Phase.STOPPED
+        if end is not None:
+            seq.phase = end
             self.streams.pop(seq.seq_id, None)
         return seq.output[before:]
 

@@ -8,6 +8,14 @@ from typing import Any, TextIO
 from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 from coordinator.service.results import result_record
+from wedlm_client.cli import params_from_args, print_result, stream_of
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """`wedlm-coordinator generate` (and `wedlm generate --model`): stream the text, then
+    print the result as `wedlm generate` prints a cluster's."""
+    result = generate_locally(args, params_from_args(args), stream_of(args))
+    return print_result(args, result)
 
 
 def generate_locally(
