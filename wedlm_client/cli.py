@@ -275,7 +275,7 @@ def main(argv: Seq[str] | None = None) -> int:
         if args.command == "bench":
             from wedlm_client.bench.cli import run_bench
 
-            return run_bench(args)
+            return run_bench(args, argv)
         return run_job_command(args)
     except WedlmError as e:
         print(f"wedlm: error: {e}", file=sys.stderr)

@@ -37,13 +37,13 @@ from common.checkpoint_weights import weight_files
 from common.layer_range import LayerRange
 from common.model_config import load_model_config
 from coordinator.model_source.layer_files import LayerFiles
+from shard_worker.fetch_bench import fetch_s, raw_copy_s
 from tests.cluster_harness import (
     cluster_name,
     start_coordinator,
     start_fetching_worker,
     start_worker,
 )
-from wedlm_client.bench.fetch import fetch_s, raw_copy_s
 from wedlm_client.client import WedlmClient
 
 now = time.perf_counter

@@ -29,16 +29,21 @@ def _non_negative(text: str) -> float:
 
 
 def _common(p: argparse.ArgumentParser, stem: str) -> None:
-    p.add_argument("--out", type=Path, default=Path("bench-results"),
-                   help=f"folder for {stem}.json and {stem}.png (default: ./bench-results)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help=f"folder for {stem}.json and {stem}.png (default: ./bench-results)",
+    )
     p.add_argument("--json", action="store_true",
                    help="print the JSON object on stdout instead of the table")  # fmt: skip
     p.set_defaults(bench_run=stem)
 
 
 def _cluster(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", metavar="HOST:PORT", required=True,
-                   help="the coordinator's gRPC address")
+    p.add_argument(
+        "--cluster", metavar="HOST:PORT", required=True, help="the coordinator's gRPC address"
+    )
 
 
 def add_bench_parser(sub) -> None:
@@ -46,30 +51,58 @@ def add_bench_parser(sub) -> None:
                            description=__doc__)  # fmt: skip
     cmds = bench.add_subparsers(dest="bench_command", required=True)
 
-    serve = cmds.add_parser("serve", help="closed-loop serving: tok/s, TTFT and TPOT against C",
-                            description="A closed loop of C streaming clients per target and "
-                            "level; two targets are compared round by round (ABAB).")
-    serve.add_argument("--target", action="append", required=True, metavar="[NAME=]URL",
-                       help="http(s)://HOST:PORT[/v1] (any OpenAI-compatible API) or "
-                       "[grpc://]HOST:PORT (a coordinator); repeat to compare")
+    serve = cmds.add_parser(
+        "serve",
+        help="closed-loop serving: tok/s, TTFT and TPOT against C",
+        description="A closed loop of C streaming clients per target and "
+        "level; two targets are compared round by round (ABAB).",
+    )
+    serve.add_argument(
+        "--target",
+        action="append",
+        required=True,
+        metavar="[NAME=]URL",
+        help="http(s)://HOST:PORT[/v1] (any OpenAI-compatible API) or "
+        "[grpc://]HOST:PORT (a coordinator); repeat to compare",
+    )
     serve.add_argument("--concurrency", type=_positive(int), nargs="+", default=[1, 8, 32])
-    serve.add_argument("--duration", type=_positive(float), default=15.0,
-                       help="measured seconds per run")
-    serve.add_argument("--warmup", type=_non_negative, default=5.0,
-                       help="unmeasured seconds per run (with --requests: 0 for none)")
-    serve.add_argument("--requests", type=_positive(int), default=0,
-                       help="measured requests per run instead of --duration")
+    serve.add_argument(
+        "--duration", type=_positive(float), default=15.0, help="measured seconds per run"
+    )
+    serve.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=5.0,
+        help="unmeasured seconds per run (with --requests: 0 for none)",
+    )
+    serve.add_argument(
+        "--requests",
+        type=_positive(int),
+        default=0,
+        help="measured requests per run instead of --duration",
+    )
     serve.add_argument("--rounds", type=_positive(int), default=2, help="rounds per level")
     serve.add_argument("--max-tokens", type=_positive(int), default=128)
-    serve.add_argument("--mode", choices=MODES, default="auto",
-                       help="decoding mode (gRPC; for HTTP sent as an extra field unless auto)")
-    serve.add_argument("--model", help="HTTP targets: the model name (default: the first of "
-                       "GET /v1/models)")
-    serve.add_argument("--label-cluster", metavar="HOST:PORT",
-                       help="label HTTP results with this coordinator's cluster status")
-    serve.add_argument("--client-processes", type=_positive(int),
-                       default=min(4, os.cpu_count() or 1),
-                       help="processes the clients are spread over")
+    serve.add_argument(
+        "--mode",
+        choices=MODES,
+        default="auto",
+        help="decoding mode (gRPC; for HTTP sent as an extra field unless auto)",
+    )
+    serve.add_argument(
+        "--model", help="HTTP targets: the model name (default: the first of GET /v1/models)"
+    )
+    serve.add_argument(
+        "--label-cluster",
+        metavar="HOST:PORT",
+        help="label HTTP results with this coordinator's cluster status",
+    )
+    serve.add_argument(
+        "--client-processes",
+        type=_positive(int),
+        default=min(4, os.cpu_count() or 1),
+        help="processes the clients are spread over",
+    )
     _common(serve, "serve")
 
     lat = cmds.add_parser("latency", help="single stream per mode: TTFT, per-token time, "
@@ -84,27 +117,57 @@ def add_bench_parser(sub) -> None:
     links = cmds.add_parser("links", help="the round trip and compute of each stage's link, "
                             "as the coordinator measures them")  # fmt: skip
     _cluster(links)
-    links.add_argument("--requests", type=int, default=4,
-                       help="AR requests sent first so that the cluster has forwarded (0: none)")
+    links.add_argument(
+        "--requests",
+        type=int,
+        default=4,
+        help="AR requests sent first so that the cluster has forwarded (0: none)",
+    )
     links.add_argument("--max-tokens", type=_positive(int), default=32)
     _common(links, "links")
 
     fetch = cmds.add_parser("fetch", help="layer-fetch rate from a coordinator against a raw "
                             "copy (needs the server install)")  # fmt: skip
     _cluster(fetch)
-    fetch.add_argument("--secret", default=os.environ.get("WEDLM_SECRET"),
-                       help="the cluster secret (default: $WEDLM_SECRET)")
+    fetch.add_argument(
+        "--secret",
+        default=os.environ.get("WEDLM_SECRET"),
+        help="the cluster secret (default: $WEDLM_SECRET)",
+    )
     fetch.add_argument("--layers", help="A-B (default: every layer)")
-    fetch.add_argument("--copy-from", type=Path,
-                       help="a local copy of the checkpoint: its weight files are copied too")
+    fetch.add_argument(
+        "--copy-from",
+        type=Path,
+        help="a local copy of the checkpoint: its weight files are copied too",
+    )
     fetch.add_argument("--repeats", type=_positive(int), default=3)
     fetch.add_argument("--scratch", type=Path, help="where caches go (default: the temp dir)")
     _common(fetch, "fetch")
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run_bench(args: argparse.Namespace, argv: list[str]) -> int:
     import importlib
 
+    if args.bench_run == "fetch":
+        return fetch_on_this_machine(argv)
     module = importlib.import_module(f"wedlm_client.bench.{args.bench_run}")
     module.run(args)
     return 0
+
+
+def fetch_on_this_machine(argv: list[str]) -> int:
+    """`bench fetch` runs the worker's own layer fetcher: the server install does it, in a
+    process of its own (shard_worker/fetch_bench.py), with the same arguments."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from common.errors import WedlmError
+
+    missing = [m for m in ("mlx", "shard_worker") if importlib.util.find_spec(m) is None]
+    if missing:  # the client-only install
+        raise WedlmError(
+            f"bench fetch needs the server install ({missing[0]} is missing): "
+            "pip install 'wedlm-cluster[server,bench]'"
+        )
+    return subprocess.call([sys.executable, "-m", "shard_worker.fetch_bench", *argv])

@@ -5,6 +5,7 @@ files on this disk (the disk's and the OS's ceiling). Needs the server install."
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -70,13 +71,7 @@ def fetch_s(source: str, identity: str, ranges: list, scratch: Path, secret: str
 
 
 def run(args) -> dict[str, Any]:
-    try:  # the worker's fetcher and the checkpoint's files need numpy and MLX
-        import common.checkpoint_weights  # noqa: F401
-        import shard_worker.layer_fetch  # noqa: F401
-        from common.layer_range import LayerRange
-    except ImportError as e:
-        raise WedlmError(f"bench fetch needs the server install ({e.name} is missing): "
-                         "pip install 'wedlm-cluster[server,bench]'") from None  # fmt: skip
+    from common.layer_range import LayerRange
     from wedlm_client.bench.report import cluster_label
 
     label = cluster_label(args.cluster)
@@ -87,8 +82,15 @@ def run(args) -> dict[str, Any]:
     with WedlmClient(args.cluster, 10.0) as client:
         info = client.model_info()
     layers = LayerRange.parse(args.layers) if args.layers else LayerRange(0, info.num_layers - 1)
-    result = header("fetch", {"cluster": args.cluster, "layers": str(layers),
-                              "copy_from": str(args.copy_from), "repeats": args.repeats})
+    result = header(
+        "fetch",
+        {
+            "cluster": args.cluster,
+            "layers": str(layers),
+            "copy_from": str(args.copy_from),
+            "repeats": args.repeats,
+        },
+    )
     result["cluster"] = label
     rounds: dict[str, list[float]] = {"fetch": [], "raw_copy": []}
     progress = Progress(args.repeats * (1 + bool(args.copy_from)), "fetch")
@@ -120,3 +122,21 @@ def run(args) -> dict[str, Any]:
         result["files"]["png"] = save_figure(fig, args.out / "fetch.png")
     emit(result, text, args.out, "fetch", args.json)
     return result
+
+
+def main() -> int:
+    """`python -m shard_worker.fetch_bench bench fetch ...`: what `wedlm bench fetch` runs
+    (the client's parser; the worker's fetcher)."""
+    from wedlm_client.cli import build_parser
+
+    args = build_parser().parse_args(sys.argv[1:])
+    try:
+        run(args)
+    except WedlmError as e:
+        print(f"wedlm: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
