@@ -308,6 +308,7 @@ class EngineLoop(threading.Thread):
 
     def _deliver(self, commits) -> None:
         now = time.monotonic()
+        finished = {}  # a sequence may commit twice in one tick: it ends after the last
         for commit in commits:
             live = self._live.get(commit.seq.seq_id)
             if live is None:
@@ -317,7 +318,9 @@ class EngineLoop(threading.Thread):
                 text = live.stream.add(commit.tokens)
                 live.job.publish(commit.tokens, text, commit.logprobs)
             if commit.seq.finished:
-                self._finish(commit.seq, "done")
+                finished[commit.seq.seq_id] = commit.seq
+        for seq in finished.values():
+            self._finish(seq, "done")
         self._mark_started(now)
 
     def _recover(self, error: Exception | None) -> bool:
