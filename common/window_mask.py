@@ -21,10 +21,19 @@ def window_visibility(filled: np.ndarray) -> np.ndarray:
     sees filled j <= i; mask slot i sees every filled slot and mask slots j <= i.
     """
     filled = np.asarray(filled, dtype=bool)
-    t = filled.shape[0]
-    j_le_i = np.tri(t, dtype=bool)  # [i, j] = j <= i
-    is_mask_i = ~filled[:, None]
-    filled_j = filled[None, :]
+    j_le_i = np.tri(filled.shape[0], dtype=bool)  # [i, j] = j <= i
+    return _visible(filled[None, :], ~filled[:, None], j_le_i)
+
+
+def device_visibility(filled: mx.array) -> mx.array:
+    """[B, T, T]: window_visibility of every row of `filled` [B, T], on the device (a
+    look-ahead WeDLM window, whose filled slots the host does not know yet)."""
+    j_le_i = mx.tril(mx.ones((filled.shape[-1],) * 2, dtype=mx.bool_))[None]
+    return _visible(filled[:, None, :], ~filled[:, :, None], j_le_i)
+
+
+def _visible(filled_j, is_mask_i, j_le_i):
+    """The rule, for numpy or MLX arrays alike."""
     return (filled_j & (is_mask_i | j_le_i)) | (~filled_j & is_mask_i & j_le_i)
 
 

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 
 from common.generation_params import GenerationParams
-from common.window_mask import window_visibility
+from common.window_mask import device_visibility, window_visibility
 from coordinator.engine import engine as engine_module
 from coordinator.engine.local_engine import open_local_engine
-from coordinator.engine.wedlm_ahead import visibility
 from tests.reference_wedlm import reference_generate
 
 TEXTS = ("the cat sat on", "count 1 2 3", "a b c d e", "once upon a time")
@@ -59,7 +58,7 @@ def test_visibility_on_the_device_equals_the_host_rule():
     filled[0] = True  # all filled: causal
     filled[1] = False  # all masks
     want = np.stack([window_visibility(f) for f in filled])
-    np.testing.assert_array_equal(np.array(visibility(mx.array(filled))), want)
+    np.testing.assert_array_equal(np.array(device_visibility(mx.array(filled))), want)
 
 
 def test_single_sequence_matches_the_reference(model, ahead_count):

@@ -23,6 +23,7 @@ from common.generation_params import MAX_FORWARD_ROWS, GenerationParams
 from common.layer_runner import select_slots
 from common.model_parts import ModelParts
 from common.rows_spec import RowsSpec
+from common.window_mask import device_visibility
 from coordinator.engine import constrained, logit_bias, token_logprobs
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, padded_width, row_bucket
 from coordinator.engine.pipeline import Pipeline
@@ -39,7 +40,7 @@ from coordinator.engine.scheduler import PREFILL, Commit, Limits, Scheduler, Uni
 from coordinator.engine.selection import entropy, select_fills
 from coordinator.engine.sequence import Phase, Sequence
 from coordinator.engine.tick_batch import TickBatch, build_batch
-from coordinator.engine.wedlm_ahead import next_inputs, visibility
+from coordinator.engine.wedlm_ahead import next_inputs
 
 __all__ = ["Commit", "Engine", "Limits"]
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class InFlight:
     batch_id: int
     unit: Unit
     plans: list[RowPlan]
-    batch: TickBatch
+    batch: TickBatch | None  # None until _resolve_ahead names an unresolved forward's plans
     started: float
     # A WeDLM look-ahead forward (wedlm_ahead.py): launched before its rows were known to
     # the host; its plans are named by `_resolve_ahead`, and the pipeline returns every
@@ -406,7 +407,7 @@ class Engine:
             widths=np.array([width] * len(plans) + [1] * len(padding)),
             filled=np.zeros((b, width), dtype=bool),  # on the device only: `visibility`
             keeps=np.zeros(b, dtype=np.int64),  # named by _resolve_ahead (pipeline.keep)
-            visibility=visibility(filled),
+            visibility=device_visibility(filled),
         )
         batch_id = next(self._batch_ids)
         self.shapes.record(spec)

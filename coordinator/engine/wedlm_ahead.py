@@ -19,16 +19,6 @@ import numpy as np
 from coordinator.engine.row_plan import RowPlan
 
 
-def visibility(filled: mx.array) -> mx.array:
-    """[B, T, T] bool on the device: common/window_mask.window_visibility for every row.
-    Filled slot i sees filled j <= i; a mask slot i sees every filled slot and masks j <= i."""
-    t = filled.shape[-1]
-    j_le_i = mx.tril(mx.ones((t, t), dtype=mx.bool_))[None]
-    is_mask_i = ~filled[:, :, None]
-    filled_j = filled[:, None, :]
-    return (filled_j & (is_mask_i | j_le_i)) | (~filled_j & is_mask_i & j_le_i)
-
-
 def next_inputs(
     plans: list[RowPlan],
     fills: mx.array,
