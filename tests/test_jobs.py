@@ -4,13 +4,16 @@ is handed out."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
+from dataclasses import replace
 
 import pytest
 
 from common.generation_params import GenerationParams
 from coordinator.service.job_store import JobStore, JobStoreError
 from coordinator.service.jobs import JobRegistry
+from coordinator.service.messages import RequestResult
 
 
 def test_registry_keeps_at_most_keep_finished_jobs(tmp_path):
@@ -20,7 +23,7 @@ def test_registry_keeps_at_most_keep_finished_jobs(tmp_path):
     finished = []
     for i in range(6):
         job = registry.create([3, i], GenerationParams())
-        job.finish("done", {"tokens": [i]})
+        job.finish("done", RequestResult(tokens=(i,)))
         finished.append(job.job_id)
     registry.create([4], GenerationParams())  # creating trims the finished ones beyond 3
     assert registry.get(running.job_id) is not None  # unfinished: never forgotten
@@ -31,7 +34,7 @@ def test_registry_keeps_at_most_keep_finished_jobs(tmp_path):
     pending = restored.restore()
     assert {j.job_id for j in pending} >= {running.job_id}
     assert all(restored.get(j) is None for j in finished[:3])  # forgotten in the store too
-    assert all(restored.get(j).result == {"tokens": [i + 3]} for i, j in enumerate(kept))
+    assert all(restored.get(j).result == RequestResult(tokens=(i + 3,)) for i, j in enumerate(kept))
 
 
 def test_an_accepted_job_is_committed_before_create_returns(tmp_path):
@@ -61,3 +64,27 @@ def test_a_job_the_store_cannot_write_is_not_accepted(tmp_path):
         registry.create([6], GenerationParams())
     assert registry.unfinished() == []  # nothing half-accepted stays behind
     store.close()
+
+
+def test_a_result_is_stored_as_the_json_record_older_versions_wrote_and_read(tmp_path):
+    """The store keeps the record's JSON keys (a result is read back whole), and reads a
+    record of an older version, which lacked cached_tokens and mode."""
+    result = RequestResult(tokens=(5, 6), text="hi", finish_reason="stop", prompt_tokens=2,
+                           forwards=2, tokens_per_forward=1.0, mode="ar")  # fmt: skip
+    store = JobStore(tmp_path / "jobs.sqlite")
+    registry = JobRegistry(store=store)
+    job = registry.create([1, 2], GenerationParams())
+    job.finish("done", result)
+    store.close()
+    with sqlite3.connect(tmp_path / "jobs.sqlite") as db:
+        (raw,) = db.execute("SELECT result FROM jobs").fetchone()
+    assert list(json.loads(raw)) == [
+        "tokens", "text", "finish_reason", "prompt_tokens", "forwards", "tokens_per_forward",
+        "prefill_s", "decode_s", "decode_tokens_per_s", "drafted_tokens", "accepted_drafts",
+        "cached_tokens", "mode",
+    ]  # fmt: skip
+    restored = JobRegistry(store=JobStore(tmp_path / "jobs.sqlite"))
+    restored.restore()
+    assert restored.get(job.job_id).result == result
+    old = {k: v for k, v in result.to_dict().items() if k not in ("cached_tokens", "mode")}
+    assert RequestResult.from_dict({**old, "error": "x"}) == replace(result, mode="", error="x")

@@ -81,3 +81,20 @@ def test_request_defaults_and_errors():
         params_from_request(pb.GenerateRequest(text="x", window=0))
     with pytest.raises(InvalidRequest, match="exclusive"):
         params_from_request(pb.GenerateRequest(text="x", threshold=0.5, one_by_one=True))
+
+
+def test_a_setting_has_the_same_bounds_as_flag_and_as_key(tmp_path):
+    """Flags and TOML keys are made from one field each (serve_settings.py): a value the
+    flag takes, the key takes; one it refuses, the key refuses."""
+    from coordinator.service.server_cli import build_parser
+
+    parser = build_parser()
+    path = tmp_path / "c.toml"
+    path.write_text("metrics_port = 0\nkv_group_size = 32\n")
+    args = parser.parse_args(["serve", "--model", "m", "--metrics-port", "0"])
+    assert args.metrics_port == 0 == load_serve_config(path)["metrics_port"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model", "m", "--kv-bits", "3"])
+    path.write_text("kv_bits = 3\n")
+    with pytest.raises(WedlmError, match=re.escape("kv_bits must be 4 or 8, got 3")):
+        load_serve_config(path)

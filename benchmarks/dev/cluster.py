@@ -290,7 +290,7 @@ def local_generate(engine, prompt: list[int], params: GenerationParams) -> dict:
     seq = engine.submit(prompt, params)
     for _ in engine.stream([seq]):
         pass
-    return result_record(seq, "")
+    return result_record(seq, "").to_dict()  # as the cluster client's final_dict
 
 
 def step_record(out: dict, n_tokens: int) -> dict:

@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.errors import InvalidRequest, PromptTooLong
-from common.generation_params import MAX_FORWARD_ROWS, GenerationParams
+from common.generation_params import GenerationParams
 from common.layer_runner import select_slots
 from common.model_parts import ModelParts
 from common.rows_spec import RowsSpec
@@ -89,13 +89,7 @@ class Engine:
         self.micro_batches = micro_batches
         limits = replace(limits or Limits(), max_running=num_rows)
         self.prefill_chunk = limits.prefill_chunk
-        self.scheduler = Scheduler(
-            limits,
-            micro_batches,
-            self.config.mask_token_id,
-            self.config.max_position_embeddings,
-            cache=prefix_cache,
-        )
+        self.scheduler = self._new_scheduler(limits, micro_batches, prefix_cache)
         self.in_flight: deque[InFlight] = deque()
         self._ids = itertools.count()
         self._batch_ids = itertools.count(1)
@@ -108,6 +102,19 @@ class Engine:
         self.drafter = None  # a DraftModel proposing speculative drafts (use_drafter)
         self._warned: set[str] = set()  # modes whose mode_warning was logged
         self.grammars: constrained.Grammars | None = None  # structured output (use_grammars)
+
+    def _new_scheduler(
+        self, limits: Limits, micro_batches: int, prefix_cache: PrefixCache | None
+    ) -> Scheduler:
+        """The owner of this engine's sequence state."""
+        config = self.config
+        return Scheduler(
+            limits,
+            micro_batches,
+            config.mask_token_id,
+            config.max_position_embeddings,
+            cache=prefix_cache,
+        )
 
     def use_pipeline(self, pipeline: Pipeline, micro_batches: int) -> None:
         """Switch to another pipeline (e.g. once the workers are planned). Call while idle."""
@@ -122,7 +129,7 @@ class Engine:
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
-        return self.scheduler.cache
+        return self.scheduler.prefix_cache()
 
     def _drop_cache(self) -> list[int]:
         """Forget the prefix cache; returns the ids whose rows stages may still hold."""
@@ -130,11 +137,11 @@ class Engine:
 
     @property
     def running(self) -> list[Sequence]:
-        return self.scheduler.running
+        return self.scheduler.running_now()
 
     @property
-    def waiting(self) -> deque[Sequence]:
-        return self.scheduler.waiting
+    def waiting(self) -> list[Sequence]:
+        return self.scheduler.waiting_now()
 
     # ---- requests -------------------------------------------------------------------
     @property
@@ -227,7 +234,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.in_flight)
+        return bool(self.in_flight) or self.scheduler.has_work()
 
     # ---- one tick -------------------------------------------------------------------
     def step(self) -> list[Commit]:
@@ -533,7 +540,7 @@ class Engine:
     def restart_on(self, pipeline: Pipeline, micro_batches: int | None = None) -> None:
         """Continue on a new pipeline after losing a worker: forwards in flight are gone,
         so every live sequence re-prefills its committed history, then decodes on."""
-        stale = [s.seq_id for s in self.running]
+        stale = self.scheduler.row_ids()
         stale += [i for ids in self._padding.values() for i in ids]
         stale += self._drop_cache()  # rebuilt by use, never trusted stale
         pipeline.release(stale)  # surviving workers may still hold rows of these
@@ -554,7 +561,7 @@ class Engine:
             with contextlib.suppress(Exception):  # a forward that failed too: nothing kept
                 self.pipeline.collect()
         self.in_flight.clear()
-        stale = [s.seq_id for s in self.running]
+        stale = self.scheduler.row_ids()
         stale += [i for ids in self._padding.values() for i in ids]
         stale += self._drop_cache()
         self._padding.clear()
@@ -565,12 +572,7 @@ class Engine:
 
     def shape_limits(self) -> ShapeLimits:
         """What bounds this engine's forward shapes (`shape_limits().bound()` counts them)."""
-        limits = self.scheduler.limits
-        return ShapeLimits(
-            max_rows=limits.max_running,
-            max_width=max(limits.prefill_chunk, MAX_FORWARD_ROWS),
-            max_positions=self.config.max_position_embeddings,
-        )
+        return self.scheduler.shape_limits()
 
     def take_undelivered(self) -> list[Commit]:
         commits, self.undelivered = self.undelivered, []

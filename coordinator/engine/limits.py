@@ -1,23 +1,13 @@
 """The scheduler's limits, each declared once: its default, its smallest value and its help
-are the field's. `wedlm-coordinator serve` makes its flags (server_cli.py) and its TOML keys
-(serve_config.py) from the fields that carry a `Knob`; the others are set by the server."""
+are the field's (a `Knob`, coordinator/knobs.py). `wedlm-coordinator serve` makes its flags
+and its TOML keys from the fields that carry one; the others are set by the server."""
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, field, fields
-from typing import Any
+from dataclasses import Field, dataclass
 
-
-@dataclass(frozen=True)
-class Knob:
-    """A setting of the command line (--max-queued) and of the TOML file (max_queued)."""
-
-    help: str
-    low: int = 1  # the smallest value accepted (0: zero means something)
-
-
-def knob(default: int, help: str, low: int = 1) -> Any:
-    return field(default=default, metadata={"knob": Knob(help, low)})
+from coordinator.knobs import Knob, knob
+from coordinator.knobs import knobs as knobs_of
 
 
 @dataclass
@@ -43,4 +33,4 @@ class Limits:
 
 def knobs() -> list[tuple[Field, Knob]]:
     """The fields of Limits that are settings, with their Knob."""
-    return [(f, f.metadata["knob"]) for f in fields(Limits) if "knob" in f.metadata]
+    return knobs_of(Limits)

@@ -20,7 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common.errors import WedlmError
-from coordinator.engine.forward_shapes import padded_width, row_bucket
+from common.generation_params import MAX_FORWARD_ROWS
+from coordinator.engine.forward_shapes import ShapeLimits, padded_width, row_bucket
 from coordinator.engine.limits import Limits
 from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.row_plan import RowPlan, apply_result, plan_next
@@ -71,6 +72,36 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.groups = [[] for _ in range(self.groups_count)]
+
+    # ---- what the engine and the service read ---------------------------------------
+    def has_work(self) -> bool:
+        """Whether a sequence waits or runs (finished ones run until reaped)."""
+        return bool(self.waiting or self.running)
+
+    def running_now(self) -> list[Sequence]:
+        """The admitted sequences, until reaped (a copy)."""
+        return list(self.running)
+
+    def waiting_now(self) -> list[Sequence]:
+        """The queued sequences, oldest first (a copy)."""
+        return list(self.waiting)
+
+    def row_ids(self) -> list[int]:
+        """The ids of the admitted sequences: the KV rows the stages hold for them."""
+        return [s.seq_id for s in self.running]
+
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache in use (None: off, or paused for a warm-up)."""
+        return self.cache
+
+    def shape_limits(self) -> ShapeLimits:
+        """What bounds the forwards this scheduler plans: its rows, a prompt chunk or a
+        window, and the model's context."""
+        return ShapeLimits(
+            max_rows=self.limits.max_running,
+            max_width=max(self.limits.prefill_chunk, MAX_FORWARD_ROWS),
+            max_positions=self.max_positions,
+        )
 
     # ---- requests ------------------------------------------------------------------
     @staticmethod

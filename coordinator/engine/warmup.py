@@ -80,7 +80,7 @@ def warm_up(
     finally:
         if warmer.used:
             engine.pipeline.release(warmer.used)
-    if bursts and not (engine.scheduler.running or engine.scheduler.waiting):
+    if bursts and not engine.scheduler.has_work():
         cache, engine.scheduler.cache = engine.scheduler.cache, None  # keeps no warm-up text
         try:
             _bursts(engine, buckets, next(iter(windows), 16), warmer.wedlm)

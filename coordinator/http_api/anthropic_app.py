@@ -34,6 +34,7 @@ from coordinator.http_api.request_mapping import (
 from coordinator.http_api.schemas import ChatCompletionRequest
 from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from coordinator.service.admission import Refused
+from coordinator.service.messages import RequestResult
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -184,13 +185,13 @@ def _block_stop(index: int) -> str:
     return _sse("content_block_stop", {"type": "content_block_stop", "index": index})
 
 
-def _stop_reason(result: dict[str, Any], calls: bool) -> str:
+def _stop_reason(result: RequestResult, calls: bool) -> str:
     reason = finish_reason(result)
     if reason == "length":
         return "max_tokens"
     if reason == "stop" and calls:
         return "tool_use"
-    return "stop_sequence" if result.get("stop_sequence") else "end_turn"
+    return "stop_sequence" if result.stop_sequence else "end_turn"
 
 
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
@@ -258,9 +259,9 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
         result = await gen.result()
         if result is None:
             return JSONResponse(error_body(499, "the client disconnected"), 499)
-        if result.get("error"):
+        if result.error:
             return _error(failure(result))
-        text, calls = result["text"], []
+        text, calls = result.text, []
         if tools is not None:
             text, calls = split_tool_calls(tools[0], text, tools[1])
         content = ([{"type": "text", "text": text}] if text or not calls else [])
@@ -268,9 +269,9 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
         return {"id": message_id, "type": "message", "role": "assistant",
                 "model": backend.model_name, "content": content,
                 "stop_reason": _stop_reason(result, bool(calls)),
-                "stop_sequence": result.get("stop_sequence"),
-                "usage": {"input_tokens": result["prompt_tokens"],
-                          "output_tokens": len(result["tokens"])}}  # fmt: skip
+                "stop_sequence": result.stop_sequence,
+                "usage": {"input_tokens": result.prompt_tokens,
+                          "output_tokens": len(result.tokens)}}  # fmt: skip
 
     async def _stream(gen: Generation, message_id: str, tools):
         splitter = ToolCallStream(*tools) if tools is not None else None
@@ -307,7 +308,7 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
                     yield event
                 continue
             result = piece
-            if result.get("error"):
+            if result.error:
                 err = failure(result)
                 yield _sse("error", error_body(err.status, err.message))
                 return
@@ -320,7 +321,7 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
                 yield _block_stop(index)
             calls = bool(splitter and splitter.calls)
             delta = {"stop_reason": _stop_reason(result, calls),
-                     "stop_sequence": result.get("stop_sequence")}  # fmt: skip
+                     "stop_sequence": result.stop_sequence}  # fmt: skip
             yield _sse("message_delta", {"type": "message_delta", "delta": delta,
-                       "usage": {"output_tokens": len(result["tokens"])}})  # fmt: skip
+                       "usage": {"output_tokens": len(result.tokens)}})  # fmt: skip
             yield _sse("message_stop", {"type": "message_stop"})

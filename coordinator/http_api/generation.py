@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import Any
 
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -29,7 +28,7 @@ from coordinator.http_api.response_format import response_format_grammar, tool_c
 from coordinator.http_api.schemas import ChatCompletionRequest, GenerationFields
 from coordinator.http_api.stop_text import StopText, trim_at_stop
 from coordinator.service.jobs import Job
-from coordinator.service.messages import Final, Tokens
+from coordinator.service.messages import Final, RequestResult, Tokens
 from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 
 Encode = Callable[[], tuple[list[int], GenerationParams]]
@@ -105,69 +104,69 @@ class Generation:
         if not self.job.finished:  # the client went away (or the server stops): free its KV
             self.backend.admission.cancel(self.job)
 
-    async def pieces(self, merge: bool = True) -> AsyncIterator[str | dict[str, Any]]:
+    async def pieces(self, merge: bool = True) -> AsyncIterator[str | RequestResult]:
         """The answer's text as it commits (stop strings left out; CommitText pieces,
-        each one commit when not `merge`d), then the final result record (its "text"
-        trimmed the same way). Ends without a result when the client disconnected; the
+        each one commit when not `merge`d), then the final result (its text trimmed
+        the same way). Ends without a result when the client disconnected; the
         job is cancelled then."""
         trimmer = StopText(self.stops)
         forwards = tokens = 0  # committed since the last piece
         logprobs: list = []  # of those tokens (a piece held back keeps them)
         try:
             while (event := await self.events.next(self.request, merge)) is not None:
-                if isinstance(event, Tokens):
-                    forwards, tokens = forwards + event.commits, tokens + len(event.ids)
-                    logprobs += event.logprobs or ()
-                    if text := trimmer.add(event.text):
-                        yield CommitText(text, forwards, tokens, logprobs)
-                        forwards = tokens = 0
-                        logprobs = []
-                    continue
-                result = event.result
-                if not result.get("error"):
-                    if tail := trimmer.finish():
-                        yield CommitText(tail, forwards, tokens, logprobs)
-                    result = self._trimmed(result)
-                yield result
-                return
+                match event:
+                    case Tokens():
+                        forwards, tokens = forwards + event.commits, tokens + len(event.ids)
+                        logprobs += event.logprobs or ()
+                        if text := trimmer.add(event.text):
+                            yield CommitText(text, forwards, tokens, logprobs)
+                            forwards = tokens = 0
+                            logprobs = []
+                    case Final(result=RequestResult(error="") as result):
+                        if tail := trimmer.finish():
+                            yield CommitText(tail, forwards, tokens, logprobs)
+                        yield self._trimmed(result)
+                        return
+                    case Final(result=result):  # failed
+                        yield result
+                        return
         finally:
             self.cancel()
 
-    def _trimmed(self, result: dict[str, Any]) -> dict[str, Any]:
-        """The result with its text cut at a stop string, and which one ("stop_sequence":
+    def _trimmed(self, result: RequestResult) -> RequestResult:
+        """The result with its text cut at a stop string, and which one (stop_sequence:
         None when none ended it)."""
-        text = trim_at_stop(result["text"], self.stops)
-        found = [s for s in self.stops if result["text"].startswith(s, len(text))]
-        return {**result, "text": text, "stop_sequence": found[0] if found else None}
+        text = trim_at_stop(result.text, self.stops)
+        found = [s for s in self.stops if result.text.startswith(s, len(text))]
+        return replace(result, text=text, stop_sequence=found[0] if found else None)
 
-    async def result(self) -> dict[str, Any] | None:
-        """The final result record (text trimmed at a stop string), or None when the
+    async def result(self) -> RequestResult | None:
+        """The final result (text trimmed at a stop string), or None when the
         client disconnected first."""
         try:
             while (event := await self.events.next(self.request)) is not None:
                 if isinstance(event, Final):
                     result = event.result
-                    return result if result.get("error") else self._trimmed(result)
+                    return result if result.error else self._trimmed(result)
             return None
         finally:
             self.cancel()
 
 
-def failure(result: dict[str, Any]) -> ApiError:
+def failure(result: RequestResult) -> ApiError:
     """A failed generation: out of memory is a 503 server_error (retry later, or ask
     for less), a stopped engine a 503 (the server cannot decode), anything else a 500."""
-    kind = result.get("error_kind", "")
-    if kind == OUT_OF_MEMORY:
-        return ApiError(503, result["error"], code="out_of_memory", kind="server_error")
-    if kind == ENGINE_STOPPED:
-        return ApiError(503, result["error"], code="engine_stopped")
-    return ApiError(500, f"generation failed: {result['error']}", code="generation_failed")
+    if result.error_kind == OUT_OF_MEMORY:
+        return ApiError(503, result.error, code="out_of_memory", kind="server_error")
+    if result.error_kind == ENGINE_STOPPED:
+        return ApiError(503, result.error, code="engine_stopped")
+    return ApiError(500, f"generation failed: {result.error}", code="generation_failed")
 
 
-def finish_reason(result: dict[str, Any]) -> str:
+def finish_reason(result: RequestResult) -> str:
     """ "stop" (EOS, a stop id or string), "length" (the limit or the context), or "abort"
     (cancelled, expired)."""
-    return {"stop": "stop", "length": "length"}.get(result.get("finish_reason") or "", "abort")
+    return {"stop": "stop", "length": "length"}.get(result.finish_reason or "", "abort")
 
 
 def event_stream(chunks: AsyncIterator[str]) -> StreamingResponse:

@@ -41,6 +41,7 @@ from coordinator.http_api.request_mapping import (
 from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest
 from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from coordinator.service.admission import Refused
+from coordinator.service.messages import RequestResult
 
 # The Ollama server version whose API this follows (clients check it for features).
 OLLAMA_VERSION = "0.9.0"
@@ -233,14 +234,14 @@ def _ollama_call(call: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _stats(result: dict[str, Any], started_ns: int) -> dict[str, Any]:
+def _stats(result: RequestResult, started_ns: int) -> dict[str, Any]:
     reason = finish_reason(result)
     return {"done": True, "done_reason": reason if reason != "abort" else "stop",
             "total_duration": time.monotonic_ns() - started_ns, "load_duration": 0,
-            "prompt_eval_count": result["prompt_tokens"],
-            "prompt_eval_duration": int(result.get("prefill_s", 0.0) * 1e9),
-            "eval_count": len(result["tokens"]),
-            "eval_duration": int(result.get("decode_s", 0.0) * 1e9)}  # fmt: skip
+            "prompt_eval_count": result.prompt_tokens,
+            "prompt_eval_duration": int(result.prefill_s * 1e9),
+            "eval_count": len(result.tokens),
+            "eval_duration": int(result.decode_s * 1e9)}  # fmt: skip
 
 
 def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaphore) -> None:
@@ -313,9 +314,9 @@ def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaph
         result = await gen.result()
         if result is None:
             return _error(499, "the client disconnected")
-        if result.get("error"):
+        if result.error:
             raise failure(result)
-        text, calls = result["text"], []
+        text, calls = result.text, []
         if tools is not None:
             text, calls = split_tool_calls(tools[0], text, tools[1])
         whole = piece(text, calls, gen.job.logprobs)
@@ -336,7 +337,7 @@ def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaph
                 for line in lines(splitter.add(p) if splitter else [p]):
                     yield line
                 continue
-            if p.get("error"):
+            if p.error:
                 yield _line({"error": failure(p).message})
                 return
             for line in lines(splitter.finish() if splitter else []):

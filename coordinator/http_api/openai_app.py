@@ -50,6 +50,7 @@ from coordinator.http_api.responses_app import add_responses_routes
 from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
 from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from coordinator.service.admission import Refused
+from coordinator.service.messages import RequestResult
 
 # What each API serves and refuses (also the README's table).
 API_SUPPORT = {
@@ -185,20 +186,20 @@ class _Reply:
         return self._envelope("text_completion", [choice], usage=usage)
 
 
-def _usage(result: dict[str, Any]) -> dict[str, Any]:
-    prompt, completion = result["prompt_tokens"], len(result["tokens"])
+def _usage(result: RequestResult) -> dict[str, Any]:
+    prompt, completion = result.prompt_tokens, len(result.tokens)
     usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                              "total_tokens": prompt + completion}  # fmt: skip
     # OpenAI's field for prompt tokens served from a cache
-    usage["prompt_tokens_details"] = {"cached_tokens": result.get("cached_tokens", 0)}
-    if result.get("mode"):  # beyond OpenAI's fields: the decoding that ran, and its caveat
-        usage["mode"] = result["mode"]
-    usage["forwards"] = result.get("forwards", 0)  # forwards that committed its tokens
-    if result.get("warning"):
-        usage["warning"] = result["warning"]
-    drafted = result.get("drafted_tokens", 0)
+    usage["prompt_tokens_details"] = {"cached_tokens": result.cached_tokens}
+    if result.mode:  # beyond OpenAI's fields: the decoding that ran, and its caveat
+        usage["mode"] = result.mode
+    usage["forwards"] = result.forwards  # forwards that committed its tokens
+    if result.warning:
+        usage["warning"] = result.warning
+    drafted = result.drafted_tokens
     if drafted:  # speculative mode: OpenAI's fields for verified predictions
-        accepted = result["accepted_drafts"]
+        accepted = result.accepted_drafts
         usage["completion_tokens_details"] = {
             "accepted_prediction_tokens": accepted,
             "rejected_prediction_tokens": drafted - accepted,
@@ -206,7 +207,7 @@ def _usage(result: dict[str, Any]) -> dict[str, Any]:
     return usage
 
 
-def _usage_of(results: list[dict[str, Any]]) -> dict[str, Any]:
+def _usage_of(results: list[RequestResult]) -> dict[str, Any]:
     """Usage of n choices: the prompt once (as OpenAI counts it), the completions' tokens
     and forwards summed."""
     usage = _usage(results[0])
@@ -310,11 +311,11 @@ def build_app(backend: ApiBackend) -> FastAPI:
         if any(r is None for r in results):
             return JSONResponse(error_body(499, "the client disconnected"), 499)
         for result in results:
-            if result.get("error"):
+            if result.error:
                 raise failure(result)
         answers = []
         for gen, reply, result in zip(gens, replies, results, strict=True):
-            text, calls = result["text"], []
+            text, calls = result.text, []
             if tools is not None:
                 text, calls = split_tool_calls(tools[0], text, tools[1])
             reason = finish_reason(result)
@@ -339,9 +340,9 @@ def build_app(backend: ApiBackend) -> FastAPI:
                 yield item
                 continue
             results.append(item)
-            if item.get("error"):
+            if item.error:
                 break
-        complete = len(results) == len(streams) and not any(r.get("error") for r in results)
+        complete = len(results) == len(streams) and not any(r.error for r in results)
         if complete and include_usage:
             yield replies[0].usage_chunk(_usage_of(results))
         yield "data: [DONE]\n\n"
@@ -369,7 +370,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
                         yield chunk
                 continue
             result = piece
-            if result.get("error"):
+            if result.error:
                 fail = failure(result)
                 yield _sse(error_body(fail.status, fail.message, code=fail.code, kind=fail.kind))
             else:

@@ -32,6 +32,7 @@ from coordinator.http_api.generation import (
 from coordinator.http_api.request_mapping import PARAM_FIELDS
 from coordinator.http_api.schemas import ChatCompletionRequest
 from coordinator.service.admission import Refused
+from coordinator.service.messages import RequestResult
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -148,7 +149,7 @@ class _Response:
         return {"id": self.item_id, "type": "message", "role": "assistant", "status": status,
                 "content": [part]}  # fmt: skip
 
-    def obj(self, status: str, result: dict[str, Any] | None = None) -> dict[str, Any]:
+    def obj(self, status: str, result: RequestResult | None = None) -> dict[str, Any]:
         b = self.body
         out: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at,
@@ -161,20 +162,20 @@ class _Response:
             "truncation": "disabled", "usage": None}  # fmt: skip
         if result is not None:
             item_status = "completed" if status == "completed" else "incomplete"
-            out["output"] = [self.message(result["text"], item_status)]
-            out["output_text"] = result["text"]
+            out["output"] = [self.message(result.text, item_status)]
+            out["output_text"] = result.text
             if status == "incomplete":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
-            prompt, output = result["prompt_tokens"], len(result["tokens"])
+            prompt, output = result.prompt_tokens, len(result.tokens)
             out["usage"] = {"input_tokens": prompt, "output_tokens": output,
                             "total_tokens": prompt + output,
                             "input_tokens_details": {"cached_tokens":
-                                                     result.get("cached_tokens", 0)},
+                                                     result.cached_tokens},
                             "output_tokens_details": {"reasoning_tokens": 0}}  # fmt: skip
         return out
 
 
-def _status(result: dict[str, Any]) -> str:
+def _status(result: RequestResult) -> str:
     return "incomplete" if finish_reason(result) == "length" else "completed"
 
 
@@ -202,7 +203,7 @@ def add_responses_routes(
         result = await gen.result()
         if result is None:
             return JSONResponse(error_body(499, "the client disconnected"), 499)
-        if result.get("error"):
+        if result.error:
             raise failure(result)
         return JSONResponse(reply.obj(_status(result), result))
 
@@ -226,7 +227,7 @@ def add_responses_routes(
                 yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
                 continue
             result = piece
-            if result.get("error"):
+            if result.error:
                 err = failure(result)
                 yield event("error", code=err.code, message=err.message, param=None)
                 failed = {**reply.obj("failed"), "error": {"code": err.code or "server_error",
@@ -236,7 +237,7 @@ def add_responses_routes(
             status = _status(result)
             whole = reply.obj(status, result)
             item = whole["output"][0]
-            yield event("response.output_text.done", **where, text=result["text"], logprobs=[])
+            yield event("response.output_text.done", **where, text=result.text, logprobs=[])
             yield event("response.content_part.done", **where, part=item["content"][0])
             yield event("response.output_item.done", output_index=0, item=item)
             yield event(f"response.{status}", response=whole)

@@ -19,6 +19,7 @@ import msgpack
 
 from common.errors import WedlmError
 from common.generation_params import GenerationParams
+from coordinator.service.messages import RequestResult
 
 log = logging.getLogger(__name__)
 SCHEMA = """
@@ -88,7 +89,7 @@ class JobStore:
                 "created_at": r[1],
                 "state": r[2],
                 "request": r[3],
-                "result": json.loads(r[4]) if r[4] else None,
+                "result": RequestResult.from_dict(json.loads(r[4])) if r[4] else None,
             }
             for r in rows
         ]
@@ -111,11 +112,11 @@ class JobStore:
         if commit.error is not None:
             raise JobStoreError(f"the job store ({self.path}) cannot write: {commit.error}")
 
-    def finished(self, job_id: str, state: str, result: dict[str, Any]) -> None:
+    def finished(self, job_id: str, state: str, result: RequestResult) -> None:
         self._queue.put(
             (
                 "UPDATE jobs SET state = ?, result = ? WHERE job_id = ?",
-                (state, json.dumps(result), job_id),
+                (state, json.dumps(result.to_dict()), job_id),
             )
         )
 

@@ -10,11 +10,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from common.generation_params import GenerationParams
 from coordinator.service.job_store import JobStore, decode_request, encode_request
-from coordinator.service.messages import Final, JobEvent, Tokens
+from coordinator.service.messages import Final, JobEvent, RequestResult, Tokens
 
 TERMINAL = ("done", "cancelled", "failed")
 
@@ -28,7 +27,7 @@ class Job:
     state: str = "queued"
     tokens: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # TokenLogprob per token, when asked
-    result: dict[str, Any] | None = None
+    result: RequestResult | None = None
     seq_id: int | None = None
     deadline: float | None = None  # wall-clock time after which the job is cancelled
     on_finish: Callable[[Job], None] | None = field(default=None, repr=False)
@@ -71,7 +70,7 @@ class Job:
             for put in self._listeners:
                 put(Tokens(ids, text, 1, logprobs))
 
-    def finish(self, state: str, result: dict[str, Any]) -> None:
+    def finish(self, state: str, result: RequestResult) -> None:
         with self._cond:
             if self.finished:
                 return
@@ -115,7 +114,7 @@ class JobRegistry:
             job.deadline = deadline
             if row["result"] is not None:
                 job.state, job.result = row["state"], row["result"]
-                job.tokens = list(row["result"].get("tokens", []))
+                job.tokens = list(row["result"].tokens)
             else:
                 job.on_finish = lambda j: self.store.finished(j.job_id, j.state, j.result)
                 pending.append(job)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, TextIO
+from typing import TextIO
 
 from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
+from coordinator.service.messages import RequestResult
 from coordinator.service.results import result_record
 from wedlm_client.cli import params_from_args, print_result, stream_of
 
@@ -15,12 +16,12 @@ def run_generate(args: argparse.Namespace) -> int:
     """`wedlm-coordinator generate` (and `wedlm generate --model`): stream the text, then
     print the result as `wedlm generate` prints a cluster's."""
     result = generate_locally(args, params_from_args(args), stream_of(args))
-    return print_result(args, result)
+    return print_result(args, result.to_dict())
 
 
 def generate_locally(
     args: argparse.Namespace, params: GenerationParams, stream: TextIO | None
-) -> dict[str, Any]:
+) -> RequestResult:
     local = open_local_engine(args.model)
     tok = local.tokenizer
     if getattr(args, "draft_model", None):

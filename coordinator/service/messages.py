@@ -50,10 +50,53 @@ class Tokens:
 
 
 @dataclass(frozen=True, slots=True)
-class Final:
-    """The job ended: its result record (results.py)."""
+class RequestResult:
+    """How a request ended: its tokens and text, why it ended and what it cost. Built by
+    results.py; `error` is set when it failed (`error_kind`: results.OUT_OF_MEMORY or
+    ENGINE_STOPPED, which the front ends answer with their own statuses)."""
 
-    result: dict[str, Any]
+    tokens: tuple[int, ...] = ()
+    text: str = ""
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "deadline", "error"...
+    prompt_tokens: int = 0
+    forwards: int = 0  # forwards that committed its tokens
+    tokens_per_forward: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens_per_s: float | None = None
+    drafted_tokens: int = 0  # speculative mode: drafts verified, and accepted
+    accepted_drafts: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    mode: str = ""  # the decoding that ran ("" when it failed before starting)
+    warning: str = ""  # why its text may be degraded (Engine.mode_warning)
+    error: str = ""
+    error_kind: str = ""
+    stop_sequence: str | None = None  # the stop string that ended the text (HTTP trims it)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON record (job store, `wedlm generate`): every field, but the optional
+        ones (mode, warning, error, error_kind, stop_sequence) only when set."""
+        record = {f: getattr(self, f) for f in _ALWAYS}
+        record["tokens"] = list(self.tokens)
+        record.update({f: getattr(self, f) for f in _WHEN_SET if getattr(self, f)})
+        return record
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> RequestResult:
+        """A record of `to_dict` (older versions' lack some fields: their defaults)."""
+        known = {k: v for k, v in record.items() if k in cls.__dataclass_fields__}
+        return cls(**{**known, "tokens": tuple(known.get("tokens", ()))})
+
+
+_WHEN_SET = ("mode", "warning", "error", "error_kind", "stop_sequence")
+_ALWAYS = tuple(f for f in RequestResult.__dataclass_fields__ if f not in _WHEN_SET)
+
+
+@dataclass(frozen=True, slots=True)
+class Final:
+    """The job ended: its result (results.py)."""
+
+    result: RequestResult
 
 
 JobEvent = Tokens | Final

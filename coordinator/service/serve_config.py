@@ -1,58 +1,64 @@
 """`wedlm-coordinator serve --config cluster.toml`: the same settings as the flags, in a
-file (see deploy/cluster.example.toml). Flags given on the command line win."""
+file (see deploy/cluster.example.toml). Flags given on the command line win. The keys, their
+types and their bounds are the fields of ServeSettings and Limits (coordinator/knobs.py)."""
 
 from __future__ import annotations
 
 import tomllib
+from dataclasses import Field
 from pathlib import Path
 from typing import Any
 
 from common.errors import WedlmError
-from common.layer_range import LayerRange
-from coordinator.engine.limits import knobs
-from coordinator.service.request_limits import MIN_REQUEST_BYTES
+from coordinator.engine.limits import Limits
+from coordinator.knobs import Knob, kind_of, knobs
+from coordinator.service.serve_settings import ServeSettings
 
-# key → (type, description) ; every key is optional
-KEYS: dict[str, tuple[type, str]] = {
-    "model": (str, "model folder, 'default' or a Hugging Face hub id"),
-    "host": (str, "address to listen on"),
-    "port": (int, "port"),
-    "cluster": (str, "cluster name"),
-    "secret_file": (str, "file holding the cluster secret"),
-    "workers": (list, "static worker addresses HOST:PORT"),
-    "expect": (int, "workers to wait for before the first plan"),
-    "local_layers": (bool, "the coordinator holds the first layers itself"),
-    "warm_up": (str, "run the first forward shapes before readiness: auto, on or off"),
-    "layers": (str, "the coordinator's own layer range A-B (A = 0)"),
-    "bonjour": (bool, "find workers over Bonjour"),
-    "max_running": (int, "sequences decoded at once"),
-    # the scheduler's settings, declared in coordinator/engine/limits.py
-    **{f.name: (int, knob.help) for f, knob in knobs()},
-    "micro_batches": (int, "micro-batches in flight"),
-    "metrics_port": (int, "Prometheus metrics HTTP port"),
-    "kv_reserve_tokens": (int, "KV tokens reserved per worker when planning"),
-    "keep_finished": (int, "finished jobs kept for GetJob/WaitJob"),
-    "wait_timeout": (float, "seconds to wait for the layers to be covered"),
-    "wait_for_workers": (float, "seconds to wait for the layers to be covered"),
-    "state_dir": (str, "folder keeping accepted jobs (SQLite)"),
-    "http_port": (int, "port of the OpenAI-compatible HTTP API"),
-    "api_key_file": (str, "file holding the API key clients must send"),
-    "served_model_name": (str, "the model's name in the APIs"),
-    "draft_model": (str, "a small model drafting for speculative requests"),
-    "kv_bits": (int, "quantized KV bits (8 or 4)"),
-    "kv_group_size": (int, "quantized KV group size along the head dimension"),
-    "prefix_cache": (bool, "reuse finished requests' KV for prompts that start the same way"),
-    "prefix_cache_tokens": (int, "KV rows the prefix cache may keep"),
-    "default_max_tokens": (int, "max tokens of an HTTP request that names no limit"),
-    "max_request_bytes": (int, "the largest HTTP body or gRPC client message"),
-    "cors_origins": (list, "browser origins the HTTP API answers cross-origin (CORS)"),
-}
 
-_NON_NEGATIVE = ("expect", *(f.name for f, knob in knobs() if knob.low == 0))
-_ZERO_ALLOWED = ("port", "http_port", *_NON_NEGATIVE)  # 0 means something
+def serve_knobs() -> list[tuple[type, Field, Knob]]:
+    """Every setting of `serve`: the server's, then the scheduler's."""
+    return [(cls, f, k) for cls in (ServeSettings, Limits) for f, k in knobs(cls)]
+
+
+def _keys() -> dict[str, tuple[str, type, Knob]]:
+    """TOML key -> (the setting's field, the key's value type, its Knob)."""
+    out = {}
+    for cls, f, k in serve_knobs():
+        kind = kind_of(cls, f.name)
+        if k.toml:
+            toml_kind = str if k.parse is not None and kind is not list else kind
+            for key in k.keys or (f.name,):
+                out[key] = (f.name, toml_kind, k)
+        if k.file_key:
+            out[k.file_key] = (f.name, str, k)
+    return out
+
+
+KEYS = _keys()
+
+
+def either(choices: tuple) -> str:
+    """'a, b or c'"""
+    words = [str(c) for c in choices]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def out_of_bounds(key: str, value: float, k: Knob) -> str:
+    """Why a number is refused ("" when it is accepted)."""
+    low = k.low if k.low is not None else float("-inf")
+    if k.high is not None and not low <= value <= k.high:
+        return f"{key} must be in [{k.low:g}, {k.high:g}], got {value}"
+    if value <= 0 < low:
+        return f"{key} must be positive, got {value}"
+    if value < low:
+        return f"{key} must be 0 or more, got {value}" if low == 0 else (
+            f"{key} must be at least {low:g}, got {value}"
+        )  # fmt: skip
+    return ""
 
 
 def load_serve_config(path: str | Path) -> dict[str, Any]:
+    """The file's settings by field name (secret files read, aliases resolved)."""
     path = Path(path).expanduser()
     try:
         data = tomllib.loads(path.read_text())
@@ -65,43 +71,35 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
     for key, value in section.items():
         if key not in KEYS:
             raise WedlmError(f"{path}: unknown setting {key!r} (known: {', '.join(KEYS)})")
-        kind, what = KEYS[key]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            article = "an" if kind is int else "a"
-            raise WedlmError(
-                f"{path}: {key} ({what}) must be {article} {kind.__name__}, got {value!r}"
-            )
-        if key == "cors_origins" and not all(isinstance(o, str) and o for o in value):
-            raise WedlmError(f'{path}: cors_origins must be a list of origins ("https://host")')
-        if key == "workers" and not all(isinstance(w, str) and ":" in w for w in value):
-            raise WedlmError(f'{path}: workers must be a list of "HOST:PORT" strings')
-        if kind in (int, float) and value <= 0 and key not in _ZERO_ALLOWED:
-            raise WedlmError(f"{path}: {key} must be positive, got {value}")
-        if key == "warm_up" and value not in ("auto", "on", "off"):
-            raise WedlmError(f"{path}: warm_up must be auto, on or off, got {value!r}")
-        if key == "layers":
-            try:
-                first = LayerRange.parse(value).start
-            except WedlmError as e:
-                raise WedlmError(f"{path}: layers: {e}") from None
-            if first != 0:
-                raise WedlmError(
-                    f"{path}: layers {value}: the coordinator's layers must start at 0 "
-                    "(they come right after the embedding)"
-                )
-        if key in ("port", "http_port") and not 0 <= value <= 65535:
-            raise WedlmError(f"{path}: {key} must be in [0, 65535], got {value}")
-        if key == "max_request_bytes" and value < MIN_REQUEST_BYTES:
-            raise WedlmError(f"{path}: {key} must be at least {MIN_REQUEST_BYTES}, got {value}")
-        if key in _NON_NEGATIVE and value < 0:
-            raise WedlmError(f"{path}: {key} must be 0 or more, got {value}")
-        out["wait_timeout" if key == "wait_for_workers" else key] = value
-    for file_key, key in (("secret_file", "secret"), ("api_key_file", "api_key")):
-        if file_key in out:
-            out[key] = _read_secret(path, file_key, Path(out.pop(file_key)).expanduser())
+        name, kind, k = KEYS[key]
+        out[name] = _value(path, key, value, kind, k)
     return out
+
+
+def _value(path: Path, key: str, value: Any, kind: type, k: Knob) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        article = "an" if kind is int else "a"
+        what = k.what or k.help
+        raise WedlmError(f"{path}: {key} ({what}) must be {article} {kind.__name__}, got {value!r}")
+    if key == k.file_key:
+        return _read_secret(path, key, Path(value).expanduser())
+    try:
+        if k.check is not None:
+            k.check(value)
+    except ValueError as e:  # "must be ..."
+        raise WedlmError(f"{path}: {key} {e}") from None
+    try:
+        if k.parse is not None and isinstance(value, str):
+            value = k.parse(value)
+    except ValueError as e:
+        raise WedlmError(f"{path}: {key}: {e}") from None
+    if k.choices and value not in k.choices:
+        raise WedlmError(f"{path}: {key} must be {either(k.choices)}, got {value!r}")
+    if kind in (int, float) and not k.choices and (why := out_of_bounds(key, value, k)):
+        raise WedlmError(f"{path}: {why}")
+    return value
 
 
 def _read_secret(path: Path, key: str, secret_path: Path) -> str:

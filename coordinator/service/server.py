@@ -56,6 +56,7 @@ from coordinator.service.jobs import JobRegistry
 from coordinator.service.metrics import Metrics
 from coordinator.service.request_limits import default_max_request_bytes
 from coordinator.service.running_limit import AUTO_MAX_RUNNING, auto_max_running
+from coordinator.service.serve_settings import ServeSettings
 from coordinator.service.servicer import CoordinatorServicer
 from coordinator.service.stage_planner import PlanSettings, StagePlanner
 
@@ -82,27 +83,33 @@ def source_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+_SETTINGS = ServeSettings()  # the settings' defaults (declared once, in serve_settings.py)
+
+
 @dataclass
 class ServeOptions:
+    """What the server runs with: the settings (ServeSettings, made into these by
+    serve_args.py) and what only code sets. Defaults are the settings' own."""
+
     model: Path
-    host: str = "127.0.0.1"
-    port: int = 50051
-    cluster: str = "default"
+    host: str = _SETTINGS.host
+    port: int = _SETTINGS.port
+    cluster: str = _SETTINGS.cluster
     secret: str | None = None
     workers: list[str] = field(default_factory=list)
-    expect: int = 0  # workers to wait for before the first plan
-    bonjour: bool = True
-    local_layers: bool = True  # the coordinator holds the first layers itself
-    warm_up: str = "auto"  # run the first shapes once before readiness: on, off, auto (GPUs)
+    expect: int = _SETTINGS.expect  # workers to wait for before the first plan
+    bonjour: bool = _SETTINGS.bonjour
+    local_layers: bool = _SETTINGS.local_layers  # the coordinator holds the first layers itself
+    warm_up: str = _SETTINGS.warm_up  # run the first shapes once before readiness (auto: GPUs)
     layers: LayerRange | None = None  # ... exactly these (--layers; must start at 0)
     max_running: int | None = None  # None: sized to memory once planned (running_limit.py)
     limits: Limits = field(default_factory=Limits)  # the queue and prefill settings
     micro_batches: int = 0  # 0: one per pipeline stage
     metrics_port: int | None = None
-    wait_timeout_s: float = 600.0  # --wait-for-workers: then say what is missing
+    wait_timeout_s: float = _SETTINGS.wait_timeout  # --wait-for-workers: then say what is missing
     recovery_timeout_s: float = 600.0  # how long to wait for workers after a loss
-    kv_reserve_tokens: int = 32768
-    keep_finished: int = 10_000  # finished jobs kept (memory stays bounded by this)
+    kv_reserve_tokens: int = _SETTINGS.kv_reserve_tokens
+    keep_finished: int = _SETTINGS.keep_finished  # finished jobs kept (bounds the memory)
     state_dir: Path | None = None  # where accepted jobs are kept (None: not kept)
     tls: TlsConfig = field(default_factory=TlsConfig)  # serves clients, dials workers
     http_port: int | None = None  # the OpenAI-compatible HTTP API (None: not served)
@@ -110,9 +117,9 @@ class ServeOptions:
     served_model_name: str | None = None  # the model's name in the APIs (default: folder)
     draft_model: Path | None = None  # drafts for speculative requests (--draft-model)
     kv: KVFormat = FULL  # how every stage stores KV (--kv-bits, --kv-group-size)
-    prefix_cache: bool = True  # keep finished requests' KV for later prompts (--no-prefix-cache)
+    prefix_cache: bool = _SETTINGS.prefix_cache  # keep finished requests' KV (--no-prefix-cache)
     prefix_cache_tokens: int | None = None  # its budget (None: a share of the KV budget)
-    default_max_tokens: int = 2048  # HTTP requests that name no limit
+    default_max_tokens: int = _SETTINGS.default_max_tokens  # HTTP requests that name no limit
     max_request_bytes: int | None = None  # a client request's bytes (None: from the context)
     cors_origins: tuple[str, ...] = ()  # browser origins the HTTP API answers (CORS)
 

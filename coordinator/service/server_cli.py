@@ -11,40 +11,33 @@ import signal
 import sys
 import time
 from collections.abc import Sequence as Seq
-from pathlib import Path
 
-from common.api_key_env import API_KEY_ENV
 from common.errors import WedlmError
-from common.kv_format import KV_BITS, KV_GROUP_SIZES
-from common.layer_range import LayerRange
 from common.server_install import require_server_install
-from coordinator.engine.limits import knobs
-from coordinator.service.request_limits import BYTES_PER_TOKEN, MIN_REQUEST_BYTES
+from coordinator.knobs import Knob, default_of, kind_of
 from coordinator.service.serve_args import serve_options, state_dir
+from coordinator.service.serve_config import serve_knobs
 
 __all__ = ["apply_config", "build_parser", "main", "serve_options"]
 
 SIGNAL_POLL_S = 0.05  # how soon SIGTERM/SIGINT starts the drain
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {value}")
-    return value
-
-
-def _number(kind: type, low: float, what: str):
-    """An argparse type: a `kind` number of at least `low` (finite)."""
+def _number(kind: type, k: Knob):
+    """An argparse type: a `kind` number within the Knob's bounds (finite)."""
+    low = k.low if k.low is not None else float("-inf")
+    what = k.expect or (
+        "a number" if kind is float else "a positive integer" if low >= 1 else "a whole number"
+    )
 
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if k.high is not None and not low <= value <= k.high:
+            bounds = f"must be in [{k.low:g}, {k.high:g}], got {value}"
+            raise argparse.ArgumentTypeError(f"{k.noun} {bounds}" if k.noun else bounds)
         if value < low or value == float("inf"):
             raise argparse.ArgumentTypeError(f"must be >= {low:g}, got {text}")
         return value
@@ -52,177 +45,49 @@ def _number(kind: type, low: float, what: str):
     return parse
 
 
-_positive = _number(int, 1, "a positive integer")
-_non_negative = _number(int, 0, "a whole number")
-_seconds = _number(float, 1e-3, "seconds")
+def _parsed(parse):
+    """An argparse type from a Knob's parse (its ValueError: the flag's message)."""
+
+    def run(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    run.__name__ = parse.__name__
+    return run
 
 
-def _origins(text: str) -> list[str]:
-    origins = [o.strip() for o in text.split(",") if o.strip()]
-    if not origins:
-        raise argparse.ArgumentTypeError("expected origins such as https://host,http://host:3000")
-    return origins
-
-
-def _layer_range(text: str):
-    try:
-        layers = LayerRange.parse(text)
-    except WedlmError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if layers.start != 0:
-        raise argparse.ArgumentTypeError(
-            f"the coordinator's layers come right after the embedding: {text} must start at 0"
-        )
-    return layers
-
-
-def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    p.add_argument(
-        "--model",
-        required=model_required,
-        help="model folder, 'default', or a Hugging Face hub id (org/name)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=_port, default=50051, help="port (0 = any free port)")
-    p.add_argument("--cluster", default="default", help="cluster name (workers must match)")
-    p.add_argument("--secret", default=os.environ.get("WEDLM_SECRET"), help="cluster secret")
-    p.add_argument(
-        "--max-running",
-        type=_positive,
-        default=None,
-        help="sequences decoded at once (default: as many typical requests as the measured "
-        "free memory holds, up to 64; the startup log and `wedlm status` say why)",
-    )
-    for f, knob in knobs():  # the scheduler's settings (coordinator/engine/limits.py)
-        parse = _positive if knob.low == 1 else _number(int, knob.low, "a whole number")
-        flag = "--" + f.name.replace("_", "-")
-        p.add_argument(flag, type=parse, default=f.default, help=knob.help)
-    p.add_argument(
-        "--micro-batches",
-        type=_positive,
-        default=None,
-        help="micro-batches in flight (default: one per worker)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=_port,
-        default=None,
-        help="serve Prometheus metrics on this HTTP port (0: any free port)",
-    )
-    p.add_argument(
-        "--http-port",
-        type=_port,
-        help="also serve the OpenAI-compatible HTTP API on this port (0 = any free port)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help="clients must send 'Authorization: Bearer KEY' (HTTP and gRPC; "
-        "default: $WEDLM_API_KEY)",
-    )
-    p.add_argument("--served-model-name", help="the model's name in the APIs (default: folder)")
-    p.add_argument(
-        "--cors-origins",
-        type=_origins,
-        default=None,
-        metavar="ORIGIN,...",
-        help="browser origins the HTTP API answers cross-origin requests from (CORS), "
-        "comma-separated, e.g. https://chat.example.com ('*': any); default: none",
-    )
-    p.add_argument(
-        "--kv-bits",
-        type=int,
-        choices=KV_BITS,
-        help="store keys and values quantized to this many bits on every stage (default: "
-        "the model's dtype); attention then runs through mlx-lm's quantized path",
-    )
-    p.add_argument(
-        "--kv-group-size",
-        type=int,
-        choices=KV_GROUP_SIZES,
-        default=64,
-        help="quantization group along the head dimension, with --kv-bits",
-    )
-    p.add_argument(
-        "--prefix-cache-tokens",
-        type=_positive,
-        help="KV rows of finished requests kept for reuse by later prompts that start the "
-        "same way (default: half of the KV the stages' free memory holds)",
-    )
-    p.add_argument(
-        "--no-prefix-cache",
-        action="store_true",
-        help="prefill every prompt from scratch (no reuse of earlier requests' KV)",
-    )
-    p.add_argument(
-        "--draft-model",
-        help="a small model with the served model's tokenizer, run on the coordinator to "
-        "draft tokens for speculative requests (draft 'model'; 'auto' then prefers it)",
-    )
-    p.add_argument(
-        "--default-max-tokens",
-        type=_positive,
-        default=2048,
-        help="max tokens of an HTTP request that names no limit (capped by the context)",
-    )
-    p.add_argument(
-        "--max-request-bytes",
-        type=_number(int, MIN_REQUEST_BYTES, "a number of bytes"),
-        default=None,
-        help="the largest HTTP request body and gRPC client message; larger ones are refused "
-        "(413, RESOURCE_EXHAUSTED) before they are read (default: the model's context "
-        f"times {BYTES_PER_TOKEN} bytes, plus 1 MiB)",
-    )
-    p.add_argument("--kv-reserve-tokens", type=_positive, default=32768)
-    p.add_argument(
-        "--keep-finished",
-        type=_positive,
-        default=10_000,
-        help="finished jobs kept for GetJob/WaitJob (the oldest are forgotten beyond it)",
-    )
-    p.add_argument(
-        "--wait-for-workers",
-        "--wait-timeout",
-        dest="wait_timeout",
-        type=_seconds,
-        default=600.0,
-        help="seconds to wait for the layers to be covered before giving up with a message "
-        "naming what is missing (workers that come later are taken in at any time)",
-    )
-    p.add_argument(
-        "--layers",
-        type=_layer_range,
-        default=None,
-        help="the coordinator holds exactly layers A-B itself (A must be 0: its layers come "
-        "right after the embedding); default: a share of the model planned by memory",
-    )
-    p.add_argument(
-        "--warm-up",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="run the first forward shapes once before readiness, so that the first requests "
-        "do not wait for kernel compilation (auto: on GPUs; MLX's CPU backend compiles "
-        "nothing per shape)",
-    )
-    p.add_argument(
-        "--no-local-layers",
-        action="store_true",
-        help="hold no layers in the coordinator (a small machine): workers hold them all",
-    )
-    p.add_argument(
-        "--tls-cert",
-        help="PEM certificate: serve clients over TLS, and present "
-        "it to workers that require client certificates",
-    )
-    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-ca", help="PEM CA that workers' certificates must chain to")
-    p.add_argument(
-        "--state-dir",
-        type=Path,
-        default=None,
-        help="keep accepted jobs and results here (SQLite), so a restart loses none "
-        "(default: the user state folder; 'none' keeps nothing)",
-    )
+def add_serve_flags(
+    p: argparse.ArgumentParser, model_required: bool = True, serve: bool = False
+) -> None:
+    """The flags of every setting (ServeSettings, Limits); `serve`: also serve's own."""
+    for cls, f, k in serve_knobs():
+        if k.serve_only and not serve:
+            continue
+        kind = kind_of(cls, f.name)
+        default = default_of(f)
+        options: dict = {"dest": f.name, "help": k.help}
+        if kind is bool:
+            flags = k.flags or (f"--{'no-' if default else ''}{f.name.replace('_', '-')}",)
+            p.add_argument(*flags, action="store_false" if default else "store_true", **options)
+            continue
+        if k.env:
+            default = os.environ.get(k.env, default)
+        options["default"] = default
+        if k.metavar:
+            options["metavar"] = k.metavar
+        if k.choices:
+            options.update(type=kind, choices=k.choices)
+        elif k.parse is not None:
+            options["type"] = _parsed(k.parse)
+        elif kind is list:
+            options["action"] = "append"
+        elif kind in (int, float):
+            options["type"] = _number(kind, k)
+        if f.name == "model":
+            options["required"] = model_required
+        p.add_argument(*(k.flags or ("--" + f.name.replace("_", "-"),)), **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -230,22 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the coordinator of a cluster")
     serve.add_argument("--config", help="a TOML file of settings (deploy/cluster.example.toml)")
-    add_serve_flags(serve, model_required=False)
-    serve.add_argument(
-        "--worker",
-        action="append",
-        default=[],
-        metavar="HOST:PORT",
-        help="a worker to use besides those found over Bonjour (repeatable)",
-    )
-    serve.add_argument(
-        "--expect",
-        type=_non_negative,
-        default=0,
-        help="wait for N workers before the first plan (default 0: serve as soon as the "
-        "layers are covered, taking later workers in by re-planning)",
-    )
-    serve.add_argument("--no-bonjour", action="store_true", help="use only --worker")
+    add_serve_flags(serve, model_required=False, serve=True)
     serve.add_argument(
         "--drain-timeout",
         type=float,
@@ -255,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(subparser=serve)
     add_generate_command(sub)
     local = sub.add_parser("local", help="start a local cluster and answer one prompt")
-    local.add_argument("--workers", type=_positive, default=2)
+    local.add_argument("--workers", type=_number(int, Knob(None)), default=2)
     local.add_argument(
         "--keep-running",
         action="store_true",
@@ -270,23 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Settings from --config fill in whatever the command line left at its default."""
+    """Settings from --config fill in whatever the command line left at its default (a
+    setting's flag and key name the same field)."""
     if args.config:
         from coordinator.service.serve_config import load_serve_config
 
-        for key, value in load_serve_config(args.config).items():
-            if key == "bonjour":
-                args.no_bonjour = args.no_bonjour or not value
-            elif key == "workers":
-                args.worker = args.worker or value
-            elif key == "local_layers":
-                args.no_local_layers = args.no_local_layers or not value
-            elif key == "prefix_cache":
-                args.no_prefix_cache = args.no_prefix_cache or not value
-            elif key == "layers":
-                args.layers = args.layers or LayerRange.parse(value)
-            elif getattr(args, key) == parser.get_default(key) or getattr(args, key) is None:
-                setattr(args, key, Path(value) if key == "state_dir" else value)
+        for name, value in load_serve_config(args.config).items():
+            if getattr(args, name) in (parser.get_default(name), None):
+                setattr(args, name, value)
     if not args.model:
         raise WedlmError("--model is required (on the command line or in --config)")
 
@@ -301,9 +142,9 @@ def serve(args: argparse.Namespace) -> int:
     opts = serve_options(
         args,
         model=resolve_model(args.model),
-        workers=args.worker,
+        workers=args.workers,
         expect=args.expect,
-        bonjour=not args.no_bonjour,
+        bonjour=args.bonjour,
         state_dir=state_dir(args.state_dir),
     )
     server = CoordinatorServer(opts)

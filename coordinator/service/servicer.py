@@ -23,34 +23,34 @@ from coordinator.service.admission import (
     Refused,
 )
 from coordinator.service.jobs import Job
-from coordinator.service.messages import Final, Tokens, merged
+from coordinator.service.messages import Final, RequestResult, Tokens, merged
 from coordinator.service.request_parsing import params_from_request, prompt_from_request
 from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 
 MAX_WAIT_S = 3600.0
 
 
-def final_message(result: dict) -> pb.Final:
+def final_message(result: RequestResult) -> pb.Final:
     stats = pb.GenerationStats(
-        prompt_tokens=result["prompt_tokens"],
-        completion_tokens=len(result["tokens"]),
-        forwards=result["forwards"],
-        tokens_per_forward=result["tokens_per_forward"],
-        prefill_s=result["prefill_s"],
-        decode_s=result["decode_s"],
-        drafted_tokens=result["drafted_tokens"],
-        accepted_drafts=result["accepted_drafts"],
-        cached_tokens=result.get("cached_tokens", 0),  # absent in jobs kept by older versions
-        mode=result.get("mode", ""),
-        warning=result.get("warning", ""),
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=len(result.tokens),
+        forwards=result.forwards,
+        tokens_per_forward=result.tokens_per_forward,
+        prefill_s=result.prefill_s,
+        decode_s=result.decode_s,
+        drafted_tokens=result.drafted_tokens,
+        accepted_drafts=result.accepted_drafts,
+        cached_tokens=result.cached_tokens,
+        mode=result.mode,
+        warning=result.warning,
     )
     return pb.Final(
-        finish_reason=result["finish_reason"] or "",
-        tokens=result["tokens"],
-        text=result["text"],
+        finish_reason=result.finish_reason or "",
+        tokens=result.tokens,
+        text=result.text,
         stats=stats,
-        error=result.get("error", ""),
-        error_kind=result.get("error_kind", ""),
+        error=result.error,
+        error_kind=result.error_kind,
     )
 
 
@@ -149,9 +149,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 case Final():
                     final = item
             if final is not None:
-                status = _FAILED_STATUS.get(final.result.get("error_kind", ""))
+                status = _FAILED_STATUS.get(final.result.error_kind)
                 if status is not None:
-                    context.abort(status, final.result["error"])
+                    context.abort(status, final.result.error)
                 yield pb.GenerateEvent(final=final_message(final.result))
                 return
 

@@ -22,9 +22,8 @@ from coordinator.engine.diffusion.settings import DiffusionSettings, load_settin
 from coordinator.engine.diffusion.step_result import StepResult
 from coordinator.engine.diffusion.turbo import turbo_step
 from coordinator.engine.engine import Engine, InFlight, Ran
-from coordinator.engine.forward_shapes import ShapeLimits
 from coordinator.engine.pipeline import Pipeline
-from coordinator.engine.scheduler import Commit, Limits, Unit
+from coordinator.engine.scheduler import Commit, Limits, Scheduler, Unit
 from coordinator.engine.sequence import Sequence
 from coordinator.engine.tick_batch import TickBatch, build_batch
 
@@ -41,15 +40,17 @@ class DiffusionEngine(Engine):
         limits: Limits | None = None,
         settings: DiffusionSettings | None = None,
     ) -> None:
+        self.settings = settings or load_settings(parts.config)
         # no prefix cache: a finished request's KV ends with a canvas it never encoded
         super().__init__(parts, pipeline, num_rows, text_tail, stop_ids, micro_batches, limits)
-        self.settings = settings or load_settings(parts.config)
-        old = self.scheduler
-        self.scheduler = CanvasScheduler(
-            old.limits,
+
+    def _new_scheduler(self, limits: Limits, micro_batches: int, prefix_cache=None) -> Scheduler:
+        config = self.config
+        return CanvasScheduler(
+            limits,
             micro_batches,
-            old.mask_token_id,
-            old.max_positions,
+            config.mask_token_id,
+            config.max_position_embeddings,
             settings=self.settings,
         )
 
@@ -197,11 +198,3 @@ class DiffusionEngine(Engine):
             step.rows = rows
             out.append(step)
         return out
-
-    def shape_limits(self) -> ShapeLimits:
-        limits = self.scheduler.limits
-        return ShapeLimits(
-            max_rows=limits.max_running,
-            max_width=limits.prefill_chunk + self.settings.canvas_length,
-            max_positions=self.config.max_position_embeddings,
-        )

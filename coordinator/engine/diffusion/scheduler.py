@@ -18,6 +18,7 @@ from coordinator.engine.diffusion.canvas import (
     plan_compacted,
 )
 from coordinator.engine.diffusion.settings import DiffusionSettings
+from coordinator.engine.forward_shapes import ShapeLimits
 from coordinator.engine.row_plan import RowPlan, plan_prefill
 from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Phase, Sequence
@@ -50,6 +51,14 @@ class CanvasScheduler(Scheduler):
     def kv_need(self, seq: Sequence) -> int:
         # the prompt, every committed token, and a forward's encoded canvas + new canvas
         return len(seq.prompt) + seq.params.max_tokens + 2 * self.settings.canvas_length
+
+    def shape_limits(self) -> ShapeLimits:
+        # a prompt's last chunk and its first canvas share a forward row
+        return ShapeLimits(
+            max_rows=self.limits.max_running,
+            max_width=self.limits.prefill_chunk + self.settings.canvas_length,
+            max_positions=self.max_positions,
+        )
 
     # ---- planning ------------------------------------------------------------------
     def plan(self, seq: Sequence) -> RowPlan:
