@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.checkpoint_weights import layer_nbytes
 from common.kv_format import FULL, KVFormat
@@ -17,6 +17,7 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.tls import TlsConfig
 from coordinator.cluster.discovery import DiscoveredWorker
 from coordinator.cluster.layer_plan import PlanError, WorkerCapacity, plan_layers
+from coordinator.cluster.tensor_groups import Group, form_groups
 from coordinator.cluster.worker_link import WorkerCallError, WorkerLink
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,17 @@ class WorkerEntry:
     info: pb.WorkerInfo | None = None
     link: WorkerLink | None = None
     layers: LayerRange | None = None
+    group: Group | None = None  # the tensor group it is a member of (None: alone)
+
+    @property
+    def follower(self) -> bool:
+        """A group member other than its leader: it holds layers but takes no forwards."""
+        return self.group is not None and self.group.leader is not self
+
+    @property
+    def stage(self) -> bool:
+        """A stage of the pipeline: serving, with layers, and not a group's follower."""
+        return self.health == "serving" and self.layers is not None and not self.follower
 
 
 def kv_bytes_per_layer(config: ModelConfig, reserve_tokens: int, dtype_bytes: int) -> int:
@@ -93,6 +105,8 @@ class Assembly:
     entries: list[WorkerEntry]  # every candidate; the serving ones with layers, in order
     local: LayerRange | None  # the coordinator's own range
     epoch: int = 0
+    groups: list[Group] = field(default_factory=list)  # the tensor groups that formed
+    note: str = ""  # why the plan has these stages (--tp)
 
     @property
     def links(self) -> list[WorkerLink]:
@@ -100,7 +114,10 @@ class Assembly:
 
     def layout(self) -> str:
         stages = [f"coordinator [{self.local}]"] if self.local else []
-        stages += [f"{e.address} [{e.layers}]" for e in self.entries if e.layers is not None]
+        for e in self.entries:
+            if e.stage:
+                who = e.group.describe() if e.group is not None else e.address
+                stages.append(f"{who} [{e.layers}]")
         return ", ".join(stages)
 
 
@@ -128,13 +145,13 @@ def plan_stages(
 ) -> dict[str, LayerRange]:
     """Layer ranges of the coordinator (key LOCAL) and the serving workers; raises
     PlanError when no valid plan exists."""
-    usable = [e for e in entries if e.health == "serving"]
+    usable = [e for e in entries if e.health == "serving" and not e.follower]
     if not usable and local is None:
         details = "; ".join(f"{e.address}: {e.detail}" for e in entries) or "none found"
         raise PlanError(f"no usable worker ({details})")
     per_layer = layer_nbytes(config.path)
     dtype_bytes = 2 if str(config.raw.get("torch_dtype", "")).endswith("16") else 4
-    workers = [WorkerCapacity(e.address, _room(e, per_layer), _fixed(e)) for e in usable]
+    workers = [WorkerCapacity(e.address, _group_room(e, per_layer), _fixed(e)) for e in usable]
     kv = kv_bytes_per_layer(config, kv_reserve_tokens, dtype_bytes)
     if local is not None:
         try:
@@ -167,38 +184,92 @@ def assemble(
     epoch: int = 0,
     model_source: str = "",
     kv: KVFormat = FULL,
+    tp: int = 1,
 ) -> Assembly:
     """Probe, plan, assign and route. Every candidate gets an entry; the serving ones with
-    layers, in layer order, form the chain behind the coordinator's own range. Raises
-    PlanError when no valid plan exists, WorkerCallError when a worker fails on the way."""
+    layers, in layer order, form the chain behind the coordinator's own range (a tensor
+    group counts as one stage, its leader in the chain). A group that does not form is
+    planned again as single stages. Raises PlanError when no valid plan exists,
+    WorkerCallError when a worker fails on the way."""
     entries = probe_all(candidates, config, secret, cluster, probe_timeout_s, tls)
-    plan = plan_stages(entries, config, kv_reserve_tokens, local)
+    groups, note = form_groups(entries, config, tp)
+    while True:
+        for g in groups:
+            for m in g.members:
+                m.group = g
+        plan = plan_stages(entries, config, kv_reserve_tokens, local)
+        failed = _load(entries, plan, config, model_source, kv, epoch)
+        if not failed:
+            break
+        for g in failed:  # its members are planned alone, and the note says why
+            for m in g.members:
+                m.group = None
+            note = f"{note}; {g.describe()} did not form: {g.failed}" if note else g.failed
+            log.warning("tensor group %s did not form: %s", g.describe(), g.failed)
+        groups = [g for g in groups if not g.failed]
+    entries.sort(key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
+    _route(entries, epoch)
+    return Assembly(entries, plan.get(LOCAL), epoch, groups, note)
+
+
+def _load(
+    entries: list[WorkerEntry],
+    plan: dict[str, LayerRange],
+    config: ModelConfig,
+    model_source: str,
+    kv: KVFormat,
+    epoch: int,
+) -> list[Group]:
+    """Assign the plan's ranges (every member of a group the range of its leader); the
+    groups whose members failed to form them (their `failed` says why)."""
     todo = []
     for e in entries:
         if e.health != "serving":
             continue
-        if e.address not in plan:
+        key = e.group.leader.address if e.group is not None else e.address
+        if key not in plan:
             e.health, e.layers = "spare", None
             continue
-        e.layers = plan[e.address]
+        e.layers = plan[key]
         current = LayerRange(e.info.layer_start, e.info.layer_end) if e.info.has_layers else None
         stored = KVFormat(e.info.kv_bits or None, e.info.kv_group_size or kv.group_size)
-        if current != e.layers or e.info.model_identity != config.identity or stored != kv:
+        alone = e.group is None and e.info.group_size == 0
+        if (
+            current != e.layers
+            or e.info.model_identity != config.identity
+            or stored != kv
+            or not alone
+        ):
             todo.append(e)
+    failed: dict[int, Group] = {}
     if todo:  # workers load (and fetch) their ranges at the same time
         with ThreadPoolExecutor(len(todo)) as pool:
-            assigned = pool.map(lambda e: _assign(e, model_source, kv), todo)
-            for e, info in zip(todo, assigned, strict=True):
-                e.info = info
-    entries.sort(key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
-    _route(entries, epoch)
-    return Assembly(entries, plan.get(LOCAL), epoch)
+            assigned = pool.map(lambda e: _assign_member(e, model_source, kv, epoch), todo)
+            for e, (info, error) in zip(todo, assigned, strict=True):
+                if error is None:
+                    e.info = info
+                elif e.group is not None:
+                    e.info.has_layers = False  # it left what it held to join the group
+                    e.group.failed = e.group.failed or f"{e.address}: {error.message}"
+                    failed[id(e.group)] = e.group
+                else:
+                    raise error
+    return list(failed.values())
+
+
+def _assign_member(
+    entry: WorkerEntry, model_source: str, kv: KVFormat, epoch: int
+) -> tuple[pb.WorkerInfo | None, WorkerCallError | None]:
+    try:
+        return _assign(entry, model_source, kv, epoch), None
+    except WorkerCallError as e:
+        return None, e
 
 
 def _route(entries: list[WorkerEntry], epoch: int) -> None:
     """Tell every stage its successor, the last first: a stage only relays to a successor
     that already follows the same plan."""
-    stages = [e for e in entries if e.health == "serving" and e.layers is not None]
+    stages = [e for e in entries if e.stage]
     for i in reversed(range(len(stages))):
         nxt = stages[i + 1].address if i + 1 < len(stages) else ""
         prev = stages[i - 1].address if i > 0 else ""
@@ -210,9 +281,17 @@ def _fixed(entry: WorkerEntry) -> LayerRange | None:
     return LayerRange(info.layer_start, info.layer_end) if info.fixed_range else None
 
 
-def _assign(entry: WorkerEntry, model_source: str, kv: KVFormat) -> pb.WorkerInfo:
-    log.info("assigning layers %s to %s", entry.layers, entry.address)
-    return entry.link.assign(entry.layers.start, entry.layers.end, model_source, kv=kv)
+def _assign(entry: WorkerEntry, model_source: str, kv: KVFormat, epoch: int) -> pb.WorkerInfo:
+    g = entry.group
+    spec = g.spec(g.members.index(entry), epoch) if g is not None else None
+    log.info(
+        "assigning layers %s to %s%s",
+        entry.layers,
+        entry.address,
+        f" (rank {spec.rank} of tensor group {g.describe()})" if spec else "",
+    )
+    r = entry.layers
+    return entry.link.assign(r.start, r.end, model_source, kv=kv, group=spec)
 
 
 def prefetch(arrived: list[WorkerEntry], plan: dict[str, LayerRange], model_source: str) -> None:
@@ -237,5 +316,14 @@ def _room(entry: WorkerEntry, per_layer: int) -> int:
     return int(info.memory_available) + held * per_layer
 
 
+def _group_room(entry: WorkerEntry, per_layer: int) -> int:
+    """A stage's room: a group holds 1/N of each layer and of its KV on every member, so
+    N members with the least room among them hold N times what that member would."""
+    if entry.group is None:
+        return _room(entry, per_layer)
+    members = entry.group.members
+    return len(members) * min(_room(m, per_layer) for m in members)
+
+
 def pipeline_links(entries: list[WorkerEntry]) -> list[WorkerLink]:
-    return [e.link for e in entries if e.health == "serving" and e.layers is not None]
+    return [e.link for e in entries if e.stage]

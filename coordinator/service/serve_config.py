@@ -29,6 +29,7 @@ KEYS: dict[str, tuple[type, str]] = {
     # the scheduler's settings, declared in coordinator/engine/limits.py
     **{f.name: (int, knob.help) for f, knob in knobs()},
     "micro_batches": (int, "micro-batches in flight"),
+    "tp": (int, "workers per tensor-parallel group"),
     "metrics_port": (int, "Prometheus metrics HTTP port"),
     "kv_reserve_tokens": (int, "KV tokens reserved per worker when planning"),
     "keep_finished": (int, "finished jobs kept for GetJob/WaitJob"),

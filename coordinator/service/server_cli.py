@@ -104,6 +104,17 @@ def add_serve_flags(p: argparse.ArgumentParser, model_required: bool = True) -> 
         help="micro-batches in flight (default: one per worker)",
     )
     p.add_argument(
+        "--tp",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="tensor parallelism: workers form groups of N that each hold one stage's layers "
+        "split N ways over mlx.distributed (ring, or nccl on CUDA), so one answer runs on N "
+        "machines at once; what cannot be grouped (heads that do not divide, a model "
+        "without mlx-lm's Model.shard, a worker started with --layers) stays a pipeline "
+        "stage, as `wedlm status` says (default: 1, a pipeline only)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=_port,
         default=None,

@@ -45,6 +45,7 @@ class PlanSettings:
     tls: object = None
     model_source: str = ""  # where workers fetch layers they lack (AssignRequest.model_source)
     kv: KVFormat = FULL  # how every stage stores KV (--kv-bits)
+    tp: int = 1  # workers per tensor-parallel group (--tp; 1: a pipeline only)
 
 
 class StagePlanner:
@@ -92,6 +93,7 @@ class StagePlanner:
             epoch=epoch,
             model_source=s.model_source,
             kv=s.kv,
+            tp=s.tp,
         )
         runner = self.local.hold(assembly.local) if self.local is not None else None
         links = assembly.links
