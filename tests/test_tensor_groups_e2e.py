@@ -133,6 +133,40 @@ def test_two_workers_form_one_stage_and_match_one_process(dense, dense_expected)
         stop_all([*workers.values(), coord])
 
 
+def test_coordinator_leads_a_group_with_one_worker(dense, dense_expected):
+    """Two machines, TP = 2: the coordinator is rank 0 of the group that holds every
+    layer (its group process beside its engine), one worker rank 1."""
+    workers, coord, address = start_group_cluster(dense, 1, "--tp", "2")
+    try:
+        status = status_of(address)
+        (member,) = [w for w in status.workers if w.health == "serving"]
+        assert member.group_leader == "coordinator" and member.info.group_rank == 1
+        assert status.local_layers == "0-3", status.local_layers
+        assert run_streams(address, STREAMS, 48) == dense_expected
+    finally:
+        stop_all([*workers.values(), coord])
+
+
+@pytest.fixture(scope="module")
+def moe(checkpoint_dir):
+    return checkpoint_dir("qwen3_moe", seed=73, num_hidden_layers=4, max_position_embeddings=1024)
+
+
+def test_two_stages_of_two_members_moe(moe):
+    """TP = 2 x 2 stages (4 members) on a mixture-of-experts model: the coordinator and a
+    worker hold the first layers, two workers the rest; 2 micro-batches in flight."""
+    expected = expected_outputs(moe, STREAMS, 32)
+    workers, coord, address = start_group_cluster(moe, 3, "--tp", "2", "--micro-batches", "2")
+    try:
+        status = status_of(address)
+        leaders = [w.group_leader for w in status.workers if w.health == "serving"]
+        assert "coordinator" in leaders and len(set(leaders)) == 2, status.plan_note
+        assert all(leaders) and status.local_layers, status.local_layers
+        assert run_streams(address, STREAMS, 32) == expected
+    finally:
+        stop_all([*workers.values(), coord])
+
+
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_lost_member_replans_without_it(dense, fault):
     """A follower killed (kill -9) or frozen (SIGSTOP) while 8 streams run: the leader's

@@ -6,14 +6,17 @@ tell each stage its successor (Route)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from common.checkpoint_weights import layer_nbytes
+from common.errors import WedlmError
 from common.kv_format import FULL, KVFormat
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
+from common.tensor_group.spec import GroupSpec
 from common.tls import TlsConfig
 from coordinator.cluster.discovery import DiscoveredWorker
 from coordinator.cluster.layer_plan import PlanError, WorkerCapacity, plan_layers
@@ -98,6 +101,19 @@ class LocalMember:
 
     available_bytes: int  # what it could give to layers and KV (its held layers included)
     fixed: LayerRange | None = None  # --layers
+    group_port: int = 0  # where its group process would listen (0: it joins no group)
+    group_backends: tuple[str, ...] = ()
+
+
+def local_entry(local: LocalMember) -> WorkerEntry:
+    """The coordinator as a candidate member of the first tensor group (never a link)."""
+    info = pb.WorkerInfo(
+        memory_available=local.available_bytes,
+        fixed_range=local.fixed is not None,
+        group_port=local.group_port,
+        group_backends=local.group_backends,
+    )
+    return WorkerEntry(LOCAL, "local", "serving", info=info)
 
 
 @dataclass
@@ -107,13 +123,17 @@ class Assembly:
     epoch: int = 0
     groups: list[Group] = field(default_factory=list)  # the tensor groups that formed
     note: str = ""  # why the plan has these stages (--tp)
+    local_member: object = None  # the coordinator's group process (rank 0), if grouped
 
     @property
     def links(self) -> list[WorkerLink]:
         return pipeline_links(self.entries)
 
     def layout(self) -> str:
-        stages = [f"coordinator [{self.local}]"] if self.local else []
+        stages = []
+        if self.local:
+            lead = next((g for g in self.groups if g.leader.address == LOCAL), None)
+            stages.append(f"{lead.describe() if lead else 'coordinator'} [{self.local}]")
         for e in self.entries:
             if e.stage:
                 who = e.group.describe() if e.group is not None else e.address
@@ -142,9 +162,11 @@ def plan_stages(
     config: ModelConfig,
     kv_reserve_tokens: int,
     local: LocalMember | None,
+    grouped_local: WorkerEntry | None = None,
 ) -> dict[str, LayerRange]:
     """Layer ranges of the coordinator (key LOCAL) and the serving workers; raises
-    PlanError when no valid plan exists."""
+    PlanError when no valid plan exists. `grouped_local`: the coordinator's entry when
+    it leads a tensor group (its room is then the group's)."""
     usable = [e for e in entries if e.health == "serving" and not e.follower]
     if not usable and local is None:
         details = "; ".join(f"{e.address}: {e.detail}" for e in entries) or "none found"
@@ -154,10 +176,13 @@ def plan_stages(
     workers = [WorkerCapacity(e.address, _group_room(e, per_layer), _fixed(e)) for e in usable]
     kv = kv_bytes_per_layer(config, kv_reserve_tokens, dtype_bytes)
     if local is not None:
+        local_room = local.available_bytes
+        if grouped_local is not None and grouped_local.group is not None:
+            local_room = _group_room(grouped_local, per_layer)
         try:
             plan = plan_layers(
                 config.num_layers,
-                [WorkerCapacity(LOCAL, local.available_bytes, local.fixed), *workers],
+                [WorkerCapacity(LOCAL, local_room, local.fixed), *workers],
                 per_layer,
                 kv,
             )
@@ -185,6 +210,7 @@ def assemble(
     model_source: str = "",
     kv: KVFormat = FULL,
     tp: int = 1,
+    start_local: Callable[[LayerRange, GroupSpec], object] | None = None,
 ) -> Assembly:
     """Probe, plan, assign and route. Every candidate gets an entry; the serving ones with
     layers, in layer order, form the chain behind the coordinator's own range (a tensor
@@ -192,15 +218,19 @@ def assemble(
     planned again as single stages. Raises PlanError when no valid plan exists,
     WorkerCallError when a worker fails on the way."""
     entries = probe_all(candidates, config, secret, cluster, probe_timeout_s, tls)
-    groups, note = form_groups(entries, config, tp)
+    me = local_entry(local) if local is not None and start_local is not None else None
+    groups, note = form_groups(entries, config, tp, me)
     while True:
         for g in groups:
             for m in g.members:
                 m.group = g
-        plan = plan_stages(entries, config, kv_reserve_tokens, local)
-        failed = _load(entries, plan, config, model_source, kv, epoch)
+        plan = plan_stages(entries, config, kv_reserve_tokens, local, me)
+        started: list = []
+        failed = _load(entries, plan, config, model_source, kv, epoch, me, start_local, started)
         if not failed:
             break
+        for member in started:  # the coordinator's part of a group that did not form
+            member.stop()
         for g in failed:  # its members are planned alone, and the note says why
             for m in g.members:
                 m.group = None
@@ -209,7 +239,7 @@ def assemble(
         groups = [g for g in groups if not g.failed]
     entries.sort(key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
     _route(entries, epoch)
-    return Assembly(entries, plan.get(LOCAL), epoch, groups, note)
+    return Assembly(entries, plan.get(LOCAL), epoch, groups, note, started[0] if started else None)
 
 
 def _load(
@@ -219,9 +249,14 @@ def _load(
     model_source: str,
     kv: KVFormat,
     epoch: int,
+    me: WorkerEntry | None = None,
+    start_local: Callable[[LayerRange, GroupSpec], object] | None = None,
+    started: list | None = None,
 ) -> list[Group]:
-    """Assign the plan's ranges (every member of a group the range of its leader); the
-    groups whose members failed to form them (their `failed` says why)."""
+    """Assign the plan's ranges (every member of a group the range of its leader), and
+    start the coordinator's group process when it leads one, all at once (a group forms
+    only when every member joins). The groups that failed to form (`failed` says why);
+    the coordinator's started group process is appended to `started`."""
     todo = []
     for e in entries:
         if e.health != "serving":
@@ -242,9 +277,19 @@ def _load(
         ):
             todo.append(e)
     failed: dict[int, Group] = {}
-    if todo:  # workers load (and fetch) their ranges at the same time
-        with ThreadPoolExecutor(len(todo)) as pool:
+    lead = me if me is not None and me.group is not None and LOCAL in plan else None
+    if todo or lead:  # workers load (and fetch) their ranges at the same time
+        with ThreadPoolExecutor(len(todo) + 1) as pool:
+            mine = (
+                pool.submit(start_local, plan[LOCAL], lead.group.spec(0, epoch)) if lead else None
+            )
             assigned = pool.map(lambda e: _assign_member(e, model_source, kv, epoch), todo)
+            if mine is not None:
+                try:
+                    started.append(mine.result())
+                except WedlmError as error:
+                    lead.group.failed = f"the coordinator: {error}"
+                    failed[id(lead.group)] = lead.group
             for e, (info, error) in zip(todo, assigned, strict=True):
                 if error is None:
                     e.info = info

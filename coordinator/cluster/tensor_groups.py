@@ -7,6 +7,7 @@ the plan's note says why."""
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass, field
 
 from common.model_config import ModelConfig
@@ -44,6 +45,25 @@ def _host(address: str) -> str:
     return address.rsplit(":", 1)[0]
 
 
+def _ip_toward(address: str) -> str:
+    """This machine's address on the route to `address` (the coordinator's own host in a
+    group's hostfile, as its members reach it); no packet is sent."""
+    host, port = address.rsplit(":", 1)
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((host.strip("[]"), int(port)))
+        return s.getsockname()[0]
+
+
+def _hosts(members: list) -> list[str]:
+    workers = [m.address for m in members if m.source != "local"]
+    out = []
+    for m in members:
+        host = _ip_toward(workers[0]) if m.source == "local" else _host(m.address)
+        out.append(f"{host}:{m.info.group_port}")
+    return out
+
+
 def _backend(members: list) -> str | None:
     for backend in GROUP_BACKENDS:
         if all(backend in m.info.group_backends for m in members):
@@ -51,10 +71,11 @@ def _backend(members: list) -> str | None:
     return None
 
 
-def form_groups(entries: list, config: ModelConfig, tp: int) -> tuple[list[Group], str]:
-    """Groups of `tp` serving workers (in the candidates' order) and the plan's note. A
-    worker started with --layers, one without a group port, and the remainder past the
-    last full group stay pipeline stages."""
+def form_groups(entries: list, config: ModelConfig, tp: int, local=None) -> tuple[list[Group], str]:
+    """Groups of `tp` serving workers (in the candidates' order) and the plan's note;
+    `local`, the coordinator's entry, leads the first group when it can (it holds the
+    first layers). A member started with --layers, one without a group port, and the
+    remainder past the last full group stay pipeline stages."""
     if tp <= 1:
         return [], ""
     problem = shard_problem(config, tp)
@@ -64,7 +85,7 @@ def form_groups(entries: list, config: ModelConfig, tp: int) -> tuple[list[Group
         return [], note
     free = [
         e
-        for e in entries
+        for e in ([local] if local is not None else []) + entries
         if e.health == "serving" and not e.info.fixed_range and e.info.group_port > 0
     ]
     groups: list[Group] = []
@@ -75,8 +96,7 @@ def form_groups(entries: list, config: ModelConfig, tp: int) -> tuple[list[Group
         if backend is None:
             alone += [m.address for m in members]
             continue
-        hosts = [f"{_host(m.address)}:{m.info.group_port}" for m in members]
-        groups.append(Group(members, backend, hosts=hosts))
+        groups.append(Group(members, backend, hosts=_hosts(members)))
     alone += [e.address for e in free]
     notes = [f"tensor group {g.describe()}" for g in groups]
     if alone:
