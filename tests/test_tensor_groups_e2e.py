@@ -167,21 +167,31 @@ def test_two_stages_of_two_members_moe(moe):
         stop_all([*workers.values(), coord])
 
 
-@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
-def test_lost_member_replans_without_it(dense, fault):
-    """A follower killed (kill -9) or frozen (SIGSTOP) while 8 streams run: the leader's
-    forward does not finish within the bound, the coordinator plans again (the survivor
-    alone), re-prefills, and every stream ends with the tokens of a run without the
-    fault."""
+LOSSES = {
+    "follower-killed": (signal.SIGKILL, ("--no-local-layers",), 2),
+    "follower-frozen": (signal.SIGSTOP, ("--no-local-layers",), 2),
+    "coordinators-member-killed": (signal.SIGKILL, (), 1),
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_lost_member_replans_without_it(dense, loss):
+    """A member's machine lost while 8 streams run: a follower of a group of two workers
+    killed (kill -9) or frozen (SIGSTOP), or the worker in the coordinator's group killed.
+    The leader's forward does not finish within the bound (or fails at once), the
+    coordinator plans again with the survivor alone, re-prefills, and every stream ends
+    with the tokens of a run without the fault."""
+    fault, args, count = LOSSES[loss]
     expected = expected_outputs(dense, STREAMS, 160)
-    workers, coord, address = start_group_cluster(dense, 2, "--no-local-layers", "--tp", "2")
+    workers, coord, address = start_group_cluster(dense, count, *args, "--tp", "2")
+    processes = []
     try:
         status = status_of(address)
-        follower_address = next(
+        victim = next(
             w.address for w in status.workers if w.group_leader and w.group_leader != w.address
         )
         # the member's machine is lost: its worker and its group process alike
-        machine = psutil.Process(workers[follower_address].popen.pid)
+        machine = psutil.Process(workers[victim].popen.pid)
         processes = [machine, *machine.children(recursive=True)]
         outputs = run_streams(
             address, STREAMS, 160, lambda: [p.send_signal(fault) for p in processes]
@@ -189,8 +199,13 @@ def test_lost_member_replans_without_it(dense, fault):
         assert outputs == expected
         status = status_of(address)
         serving = [w for w in status.workers if w.health == "serving"]
-        assert len(serving) == 1 and serving[0].info.group_size == 0
+        assert all(w.info.group_size == 0 for w in serving)
+        assert victim not in {w.address for w in serving}
+        assert len(serving) == count - 1
     finally:
+        for p in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGCONT)
         stop_all([*workers.values(), coord])
 
 
