@@ -161,6 +161,8 @@ class HeldLayers:
         """The launched forward's hidden states, in the request's wire dtype, and the
         seconds from its launch to its result (waiting included for the one before it)."""
         if launched.raw is None:
+            if self.member is None:  # an earlier forward found the group lost
+                raise GroupFailed("the tensor group ended: the coordinator plans again")
             try:
                 out, _ = self.member.finish()
             except GroupFailed:
@@ -183,6 +185,8 @@ class HeldLayers:
 
     def release(self, seq_ids: list[int]) -> int:
         if self.member is not None:
+            if not self.member.leader:  # its KV follows the leader's releases
+                return 0
             released = self.member.release(list(dict.fromkeys(seq_ids)))
             self._refresh_kv()
             return released
