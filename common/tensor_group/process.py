@@ -38,6 +38,7 @@ from common.tensor_group.spec import GroupSpec, shard_layers
 from common.tensor_group.wire import (
     PipeClosed,
     pack,
+    read_body,
     read_frame,
     slots_of,
     spec_of,
@@ -45,6 +46,8 @@ from common.tensor_group.wire import (
     unpack,
     write_frame,
 )
+
+SHARE_BLOCK = 16384  # bytes handed to every rank in one all_sum (a decode step's message)
 
 
 def join(spec: GroupSpec) -> mx.distributed.Group:
@@ -91,17 +94,26 @@ class Member:
         return self.spec.rank == 0
 
     def share(self, body: bytes | None) -> bytes:
-        """The leader's message on every rank: its length, then its bytes, each summed
-        over the group (the others contribute zeros)."""
-        n = mx.distributed.all_sum(
-            mx.array([len(body) if body is not None else 0], dtype=mx.int32), group=self.group
-        )
-        size = int(n.item())
+        """The leader's message on every rank, summed over the group (the others add
+        zeros): a fixed block that holds its length and a decode step's whole message,
+        then, for a longer one (a prompt chunk), the rest."""
+        block = np.zeros(SHARE_BLOCK, dtype=np.uint8)
         if body is not None:
-            data = mx.array(np.frombuffer(body, dtype=np.uint8))
-        else:
-            data = mx.zeros((size,), dtype=mx.uint8)
-        return bytes(np.array(mx.distributed.all_sum(data, group=self.group)))
+            block[:4] = np.frombuffer(len(body).to_bytes(4, "little"), dtype=np.uint8)
+            head = np.frombuffer(body[: SHARE_BLOCK - 4], dtype=np.uint8)
+            block[4 : 4 + head.size] = head
+        got = np.array(mx.distributed.all_sum(mx.array(block), group=self.group))
+        size = int.from_bytes(got[:4].tobytes(), "little")
+        data = got[4 : 4 + min(size, SHARE_BLOCK - 4)].tobytes()
+        rest = size - len(data)
+        if rest > 0:
+            tail = (
+                mx.array(np.frombuffer(body[SHARE_BLOCK - 4 :], dtype=np.uint8))
+                if body is not None
+                else mx.zeros((rest,), dtype=mx.uint8)
+            )
+            data += bytes(np.array(mx.distributed.all_sum(tail, group=self.group)))
+        return data
 
     def handle(self, message: dict[str, Any]) -> dict[str, Any]:
         op = message["op"]
@@ -139,7 +151,7 @@ class Member:
         while True:
             if self.leader:
                 try:
-                    body = pack(read_frame(src))
+                    body = read_body(src)
                 except PipeClosed:
                     body = pack({"op": "stop"})  # the worker is gone: end the group with it
             else:

@@ -26,7 +26,8 @@ def write_frame(out: BinaryIO, message: dict[str, Any]) -> None:
     out.flush()
 
 
-def read_frame(src: BinaryIO) -> dict[str, Any]:
+def read_body(src: BinaryIO) -> bytes:
+    """One frame's packed message, as it came."""
     head = src.read(_LEN.size)
     if len(head) < _LEN.size:
         raise PipeClosed("the pipe closed")
@@ -34,7 +35,11 @@ def read_frame(src: BinaryIO) -> dict[str, Any]:
     body = src.read(size)
     if len(body) < size:
         raise PipeClosed("the pipe closed mid-message")
-    return unpack(body)
+    return body
+
+
+def read_frame(src: BinaryIO) -> dict[str, Any]:
+    return unpack(read_body(src))
 
 
 def unpack(body: bytes) -> dict[str, Any]:
