@@ -25,14 +25,16 @@ from common.model_config import ModelConfig
 from common.model_parts import load_model_parts
 from common.rows_spec import RowsSpec
 from common.tensor_codec import WireTensor, decode, frame, wire_form
+from common.tensor_group.member import GroupFailed, GroupMember
+from common.tensor_group.spec import GroupSpec
 from common.wire_frames import TensorFrame
 
 
 @dataclass
 class LaunchedForward:
     wire: int  # wire dtype of the result
-    raw: mx.array  # the result as its wire bytes will be read (lazy until finished)
-    started: float
+    raw: mx.array | None  # the result as its wire bytes will be read (lazy until finished)
+    started: float  # None: the forward runs in the tensor group's process
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class LayerState:
     kv_sequences: int = 0
     kv_bytes: int = 0
     kv: KVFormat = FULL  # how the KV is stored (the coordinator's Assign says)
+    group: GroupSpec | None = None  # the tensor group it holds its range in (None: alone)
+    group_error: str = ""  # why the last group it was given did not form
 
 
 class HeldLayers:
@@ -51,11 +55,14 @@ class HeldLayers:
         """`config` None: a worker that fetches its model and has none yet."""
         self.fixed = fixed
         self.runner: LayerRunner | None = None
+        self.member: GroupMember | None = None  # the range held in a tensor group
+        self.group_error = ""
         self.kv = FULL
         self.use_model(config)
 
     def use_model(self, config: ModelConfig | None) -> LayerState:
         """Hold nothing, of model `config` from now on (a fetching worker's model change)."""
+        self._leave_group()
         self.runner = None
         self.config = config
         if config is not None:
@@ -66,12 +73,18 @@ class HeldLayers:
         self.state = self._describe()
         return self.state
 
-    def load(self, layer_range: LayerRange, kv: KVFormat = FULL) -> LayerState:
-        """Hold exactly `layer_range` with no KV, stored as `kv` says. The same range keeps
-        its weights; another range replaces them, the old layers going first so both are
-        never held at once."""
+    def load(
+        self, layer_range: LayerRange, kv: KVFormat = FULL, group: GroupSpec | None = None
+    ) -> LayerState:
+        """Hold exactly `layer_range` with no KV, stored as `kv` says, alone or as one
+        member of `group` (its 1/size share, in a group process formed anew). The same
+        range alone keeps its weights; another range replaces them, the old layers going
+        first so both are never held at once."""
         kv.check(self.config)
         self.kv = kv
+        self._leave_group()
+        if group is not None:
+            return self._join_group(layer_range, kv, group)
         if self.runner is not None and self.runner.parts.layer_range == layer_range:
             self.runner = LayerRunner(self.runner.parts, kv)
             self.state = self._describe()
@@ -86,11 +99,47 @@ class HeldLayers:
         self.state = self._describe()
         return self.state
 
+    def _join_group(self, layer_range: LayerRange, kv: KVFormat, group: GroupSpec) -> LayerState:
+        self.runner = None  # the group process holds the layers, not this one
+        gc.collect()
+        mx.clear_cache()
+        try:
+            self.member = GroupMember(self.config.path, layer_range, kv, group)
+        except GroupFailed as e:
+            self.group_error = str(e)
+            self.state = self._describe()
+            raise
+        self.group_error = ""
+        ready = self.member.ready
+        self.state = LayerState(
+            layer_range=layer_range,
+            dtype=ready["dtype"],
+            layer_bytes=ready["layer_bytes"],
+            kv_bytes_per_token=ready["kv_bytes_per_token"],
+            kv=kv,
+            group=group,
+        )
+        return self.state
+
+    def _leave_group(self) -> None:
+        if self.member is not None:
+            self.member.stop()
+            self.member = None
+            self.state = self._describe()
+
+    def close(self) -> None:
+        """End the group process, if any (the worker stops)."""
+        self._leave_group()
+
     def launch(
         self, spec: RowsSpec, hidden: WireTensor, reply_slots: np.ndarray | None = None
     ) -> LaunchedForward:
         """Build this worker's layers over `hidden` (only `reply_slots` of each row kept
         when given) and start the device on them; `finish` reads the result."""
+        if self.member is not None:  # the group process runs it; answers come in order
+            started = time.perf_counter()
+            self.member.launch(spec, hidden, reply_slots)
+            return LaunchedForward(0, None, started)
         runner = self.runner
         if runner is None:
             raise RowsError(
@@ -111,6 +160,18 @@ class HeldLayers:
     def finish(self, launched: LaunchedForward) -> tuple[TensorFrame, float]:
         """The launched forward's hidden states, in the request's wire dtype, and the
         seconds from its launch to its result (waiting included for the one before it)."""
+        if launched.raw is None:
+            if self.member is None:  # an earlier forward found the group lost
+                raise GroupFailed("the tensor group ended: the coordinator plans again")
+            try:
+                out, _ = self.member.finish()
+            except GroupFailed:
+                self._leave_group()  # the coordinator plans again; this range is gone
+                raise
+            self._refresh_kv()
+            return TensorFrame(
+                out.dtype, out.shape, out.data
+            ), time.perf_counter() - launched.started
         out = frame(launched.wire, launched.raw)  # reading the buffer waits for the device
         compute_s = time.perf_counter() - launched.started
         self._refresh_kv()
@@ -123,6 +184,12 @@ class HeldLayers:
         return self.finish(self.launch(spec, hidden, reply_slots))
 
     def release(self, seq_ids: list[int]) -> int:
+        if self.member is not None:
+            if not self.member.leader:  # its KV follows the leader's releases
+                return 0
+            released = self.member.release(list(dict.fromkeys(seq_ids)))
+            self._refresh_kv()
+            return released
         runner = self.runner
         if runner is None:
             return 0
@@ -132,6 +199,11 @@ class HeldLayers:
         return len(held)
 
     def _refresh_kv(self) -> None:
+        if self.member is not None:
+            self.state = replace(
+                self.state, kv_sequences=self.member.kv_sequences, kv_bytes=self.member.kv_bytes
+            )
+            return
         runner = self.runner
         sequences = len(runner.store) if runner else 0
         nbytes = runner.kv_bytes() if runner else 0
@@ -139,7 +211,13 @@ class HeldLayers:
 
     def _describe(self) -> LayerState:
         if self.config is None:
-            return LayerState(layer_range=None, dtype="", layer_bytes=0, kv_bytes_per_token=0)
+            return LayerState(
+                layer_range=None,
+                dtype="",
+                layer_bytes=0,
+                kv_bytes_per_token=0,
+                group_error=self.group_error,
+            )
         if self.runner is None:
             dtype = compute_dtype(self.config)
             return LayerState(
@@ -148,6 +226,7 @@ class HeldLayers:
                 layer_bytes=self._estimate,
                 kv_bytes_per_token=kv_bytes_per_token(self.config, dtype, 1, self.kv),
                 kv=self.kv,
+                group_error=self.group_error,
             )
         parts = self.runner.parts
         dtype = self._run_dtype

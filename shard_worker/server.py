@@ -3,6 +3,7 @@ authentication and health checking, and its Bonjour advertisement."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from common.grpc_services import add_service
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
+from common.tensor_group.spec import available_backends
 from common.tls import TlsConfig, bind
 from common.wire_frames import framed_parser
 from shard_worker.bonjour import BonjourAdvert
@@ -127,6 +129,8 @@ class WorkerServer:
             on_layers_changed=self._layers_changed,
             fetcher=fetcher,
             on_model_changed=self._model_changed,
+            group_backends=self.mlx.call(available_backends),
+            group_host=options.host if options.host not in ("0.0.0.0", "::") else "",
         )
         framed = framed_parser(pb.ForwardRequest, "hidden")  # hidden states stay unparsed
         add_service(self.server, self.servicer, "Worker", {"Forward": framed, "Relay": framed})
@@ -153,6 +157,8 @@ class WorkerServer:
             self.bonjour.close()
         self.route.close()
         self.server.stop(grace).wait(grace + 1.0)
+        with contextlib.suppress(Exception):  # a stopping thread takes no more work
+            self.mlx.call(self.layers.close)
         self.mlx.stop()
 
     def advert(self) -> WorkerAdvert:

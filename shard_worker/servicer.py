@@ -19,6 +19,7 @@ import grpc
 from common import host_info
 from common.call_auth import MODEL_KEY, PROTOCOL_VERSION
 from common.errors import CheckpointError, WedlmError, is_out_of_memory
+from common.free_port import free_port
 from common.grpc_services import MalformedRequest
 from common.kv_format import KVFormat
 from common.layer_range import LayerRange
@@ -27,6 +28,8 @@ from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tensor_codec import TensorFormatError
+from common.tensor_group.member import GroupFailed
+from common.tensor_group.spec import GroupSpec, shard_problem
 from common.wire_frames import Framed
 from shard_worker.forward_request import hidden_of, reply_slots, rows_spec
 from shard_worker.held_layers import HeldLayers
@@ -51,6 +54,8 @@ def _status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status a failed job answers with; unexpected errors are logged as bugs."""
     if isinstance(error, RowsError):
         return getattr(grpc.StatusCode, error.code, grpc.StatusCode.INTERNAL), str(error)
+    if isinstance(error, GroupFailed):
+        return getattr(grpc.StatusCode, error.code), str(error)
     if isinstance(error, MalformedRequest):
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, TensorFormatError):
@@ -89,6 +94,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         on_layers_changed: Callable[[], None] = lambda: None,
         fetcher: LayerFetcher | None = None,
         on_model_changed: Callable[[ModelConfig], None] = lambda _: None,
+        group_backends: list[str] | None = None,
+        group_host: str = "127.0.0.1",
     ) -> None:
         self.route = route
         self.identity = identity
@@ -99,6 +106,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.fetcher = fetcher  # None: the worker has its own model folder
         self.on_model_changed = on_model_changed  # call checks, relays, Bonjour TXT
         self._fetching = threading.Lock()  # one fetch at a time: they share .part files
+        self.group_backends = group_backends  # what tensor groups it can join
+        self.group_host = group_host
+        self.group_port = free_port(group_host)  # where its next group process listens
 
     @property
     def config(self) -> ModelConfig | None:
@@ -269,13 +279,40 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv.check(self.config)
         except WedlmError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        group = self._group(request, context)
         try:
-            self.mlx.submit(self.layers.load, wanted, kv).result()
+            self.mlx.submit(self.layers.load, wanted, kv, group).result()
         except Exception as e:
             self._abort(context, e)
         finally:
+            if group is not None:  # that port is the group's now; the next group's is new
+                self.group_port = free_port(self.group_host)
             self.on_layers_changed()
         return self.info()
+
+    def _group(self, request: pb.AssignRequest, context) -> GroupSpec | None:
+        """The tensor group the Assign names, checked (None: hold the range alone)."""
+        if not request.HasField("group"):
+            return None
+        g = request.group
+        spec = GroupSpec(g.rank, g.size, list(g.hosts), g.backend, g.epoch)
+        try:
+            spec.check()
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"group: {e}")
+        if spec.backend not in self.group_backends:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this worker's MLX has no {spec.backend} backend "
+                f"(it has: {', '.join(self.group_backends) or 'none'})",
+            )
+        problem = shard_problem(self.config, spec.size)
+        if problem is not None:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this model cannot be split {spec.size} ways: {problem}",
+            )
+        return spec
 
     def _check_in_model(self, wanted: LayerRange, context) -> None:
         num = self.config.num_layers
@@ -343,6 +380,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             cache_bytes=cache.total_bytes() if cache is not None else 0,
             kv_bits=state.kv.bits or 0,
             kv_group_size=state.kv.group_size,
+            group_port=self.group_port,
+            group_backends=self.group_backends,
+            group_rank=state.group.rank if state.group else 0,
+            group_size=state.group.size if state.group else 0,
+            group_backend=state.group.backend if state.group else "",
+            group_error=state.group_error,
         )
 
     @staticmethod

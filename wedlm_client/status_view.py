@@ -26,6 +26,8 @@ def format_status(status: dict[str, Any]) -> str:
                         f"{status['local_layers']}")  # fmt: skip
     if status.get("waiting_for"):
         lines.insert(1, f"waiting for: {status['waiting_for']}")
+    if status.get("plan_note"):
+        lines.insert(1, f"plan: {status['plan_note']}")
     for w in status.get("workers", []):
         info = w.get("info", {})
         layers = (
@@ -42,6 +44,10 @@ def format_status(status: dict[str, Any]) -> str:
         )
         if w.get("detail"):
             lines.append(f"    {w['detail']}")
+        if w.get("group_leader"):
+            lines.append("    " + format_member(w))
+        elif info.get("group_error"):
+            lines.append(f"    tensor group did not form: {info['group_error']}")
     for f in status.get("fetches", []):
         lines.append(format_fetch(f))
     if "prefix_cache" in status:
@@ -49,6 +55,17 @@ def format_status(status: dict[str, Any]) -> str:
     if "limits" in status:
         lines.append(format_limits(status["limits"]))
     return "\n".join(lines)
+
+
+def format_member(worker: dict[str, Any]) -> str:
+    """`rank 1 of 2 (ring), tensor group of 127.0.0.1:5001`: where a member stands."""
+    info = worker.get("info", {})
+    rank, size = int(info.get("group_rank", 0)), int(info.get("group_size", 0))
+    role = "leader" if worker.get("group_leader") == worker.get("address") else "member"
+    return (
+        f"{role}: rank {rank} of {size} ({info.get('group_backend', '?')}), tensor group of "
+        f"{worker.get('group_leader')}"
+    )
 
 
 def format_limits(limits: dict[str, Any]) -> str:

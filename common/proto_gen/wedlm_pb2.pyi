@@ -130,27 +130,43 @@ class ReleaseReply(_message.Message):
     def __init__(self, released: _Optional[int] = ..., kv_sequences: _Optional[int] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("layer_start", "layer_end", "model_source", "fetch_only", "kv_bits", "kv_group_size")
+    __slots__ = ("layer_start", "layer_end", "model_source", "fetch_only", "kv_bits", "kv_group_size", "group")
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     MODEL_SOURCE_FIELD_NUMBER: _ClassVar[int]
     FETCH_ONLY_FIELD_NUMBER: _ClassVar[int]
     KV_BITS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     layer_start: int
     layer_end: int
     model_source: str
     fetch_only: bool
     kv_bits: int
     kv_group_size: int
-    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model_source: _Optional[str] = ..., fetch_only: _Optional[bool] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
+    group: TensorGroup
+    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model_source: _Optional[str] = ..., fetch_only: _Optional[bool] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., group: _Optional[_Union[TensorGroup, _Mapping]] = ...) -> None: ...
+
+class TensorGroup(_message.Message):
+    __slots__ = ("rank", "size", "hosts", "backend", "epoch")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    size: int
+    hosts: _containers.RepeatedScalarFieldContainer[str]
+    backend: str
+    epoch: int
+    def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., hosts: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype", "plan_epoch", "next_stage", "fetches_layers", "cache_bytes", "kv_bits", "kv_group_size")
+    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype", "plan_epoch", "next_stage", "fetches_layers", "cache_bytes", "kv_bits", "kv_group_size", "group_port", "group_backends", "group_rank", "group_size", "group_backend", "group_error")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +191,12 @@ class WorkerInfo(_message.Message):
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BITS_FIELD_NUMBER: _ClassVar[int]
     KV_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_PORT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ERROR_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     protocol_version: int
@@ -199,7 +221,13 @@ class WorkerInfo(_message.Message):
     cache_bytes: int
     kv_bits: int
     kv_group_size: int
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ..., fetches_layers: _Optional[bool] = ..., cache_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ...) -> None: ...
+    group_port: int
+    group_backends: _containers.RepeatedScalarFieldContainer[str]
+    group_rank: int
+    group_size: int
+    group_backend: str
+    group_error: str
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ..., fetches_layers: _Optional[bool] = ..., cache_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., group_port: _Optional[int] = ..., group_backends: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., group_backend: _Optional[str] = ..., group_error: _Optional[str] = ...) -> None: ...
 
 class LayerManifestRequest(_message.Message):
     __slots__ = ("layers", "with_sha256", "node_id", "fetch_bytes", "received_bytes")
@@ -408,23 +436,25 @@ class HopTiming(_message.Message):
     def __init__(self, compute_s: _Optional[float] = ..., roundtrip_s: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("info", "address", "source", "health", "detail", "timing")
+    __slots__ = ("info", "address", "source", "health", "detail", "timing", "group_leader")
     INFO_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    GROUP_LEADER_FIELD_NUMBER: _ClassVar[int]
     info: WorkerInfo
     address: str
     source: str
     health: str
     detail: str
     timing: HopTiming
-    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., address: _Optional[str] = ..., source: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ...) -> None: ...
+    group_leader: str
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., address: _Optional[str] = ..., source: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ..., group_leader: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusReply(_message.Message):
-    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches", "prefix_cache", "max_running", "max_running_reason", "default_mode", "kv_budget_tokens", "limits")
+    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches", "prefix_cache", "max_running", "max_running_reason", "default_mode", "kv_budget_tokens", "plan_note", "limits")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +470,7 @@ class ClusterStatusReply(_message.Message):
     MAX_RUNNING_REASON_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_NOTE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     state: str
@@ -456,8 +487,9 @@ class ClusterStatusReply(_message.Message):
     max_running_reason: str
     default_mode: str
     kv_budget_tokens: int
+    plan_note: str
     limits: RequestLimits
-    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., max_running: _Optional[int] = ..., max_running_reason: _Optional[str] = ..., default_mode: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
+    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., max_running: _Optional[int] = ..., max_running_reason: _Optional[str] = ..., default_mode: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ..., plan_note: _Optional[str] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
 
 class RequestLimits(_message.Message):
     __slots__ = ("max_request_bytes", "context_tokens", "max_prompt_chars")

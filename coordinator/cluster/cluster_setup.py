@@ -6,17 +6,21 @@ tell each stage its successor (Route)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.checkpoint_weights import layer_nbytes
+from common.errors import WedlmError
 from common.kv_format import FULL, KVFormat
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
+from common.tensor_group.spec import GroupSpec
 from common.tls import TlsConfig
 from coordinator.cluster.discovery import DiscoveredWorker
 from coordinator.cluster.layer_plan import PlanError, WorkerCapacity, plan_layers
+from coordinator.cluster.tensor_groups import Group, form_groups
 from coordinator.cluster.worker_link import WorkerCallError, WorkerLink
 
 log = logging.getLogger(__name__)
@@ -31,6 +35,17 @@ class WorkerEntry:
     info: pb.WorkerInfo | None = None
     link: WorkerLink | None = None
     layers: LayerRange | None = None
+    group: Group | None = None  # the tensor group it is a member of (None: alone)
+
+    @property
+    def follower(self) -> bool:
+        """A group member other than its leader: it holds layers but takes no forwards."""
+        return self.group is not None and self.group.leader is not self
+
+    @property
+    def stage(self) -> bool:
+        """A stage of the pipeline: serving, with layers, and not a group's follower."""
+        return self.health == "serving" and self.layers is not None and not self.follower
 
 
 def kv_bytes_per_layer(config: ModelConfig, reserve_tokens: int, dtype_bytes: int) -> int:
@@ -86,6 +101,19 @@ class LocalMember:
 
     available_bytes: int  # what it could give to layers and KV (its held layers included)
     fixed: LayerRange | None = None  # --layers
+    group_port: int = 0  # where its group process would listen (0: it joins no group)
+    group_backends: tuple[str, ...] = ()
+
+
+def local_entry(local: LocalMember) -> WorkerEntry:
+    """The coordinator as a candidate member of the first tensor group (never a link)."""
+    info = pb.WorkerInfo(
+        memory_available=local.available_bytes,
+        fixed_range=local.fixed is not None,
+        group_port=local.group_port,
+        group_backends=local.group_backends,
+    )
+    return WorkerEntry(LOCAL, "local", "serving", info=info)
 
 
 @dataclass
@@ -93,14 +121,23 @@ class Assembly:
     entries: list[WorkerEntry]  # every candidate; the serving ones with layers, in order
     local: LayerRange | None  # the coordinator's own range
     epoch: int = 0
+    groups: list[Group] = field(default_factory=list)  # the tensor groups that formed
+    note: str = ""  # why the plan has these stages (--tp)
+    local_member: object = None  # the coordinator's group process (rank 0), if grouped
 
     @property
     def links(self) -> list[WorkerLink]:
         return pipeline_links(self.entries)
 
     def layout(self) -> str:
-        stages = [f"coordinator [{self.local}]"] if self.local else []
-        stages += [f"{e.address} [{e.layers}]" for e in self.entries if e.layers is not None]
+        stages = []
+        if self.local:
+            lead = next((g for g in self.groups if g.leader.address == LOCAL), None)
+            stages.append(f"{lead.describe() if lead else 'coordinator'} [{self.local}]")
+        for e in self.entries:
+            if e.stage:
+                who = e.group.describe() if e.group is not None else e.address
+                stages.append(f"{who} [{e.layers}]")
         return ", ".join(stages)
 
 
@@ -125,22 +162,27 @@ def plan_stages(
     config: ModelConfig,
     kv_reserve_tokens: int,
     local: LocalMember | None,
+    grouped_local: WorkerEntry | None = None,
 ) -> dict[str, LayerRange]:
     """Layer ranges of the coordinator (key LOCAL) and the serving workers; raises
-    PlanError when no valid plan exists."""
-    usable = [e for e in entries if e.health == "serving"]
+    PlanError when no valid plan exists. `grouped_local`: the coordinator's entry when
+    it leads a tensor group (its room is then the group's)."""
+    usable = [e for e in entries if e.health == "serving" and not e.follower]
     if not usable and local is None:
         details = "; ".join(f"{e.address}: {e.detail}" for e in entries) or "none found"
         raise PlanError(f"no usable worker ({details})")
     per_layer = layer_nbytes(config.path)
     dtype_bytes = 2 if str(config.raw.get("torch_dtype", "")).endswith("16") else 4
-    workers = [WorkerCapacity(e.address, _room(e, per_layer), _fixed(e)) for e in usable]
+    workers = [WorkerCapacity(e.address, _group_room(e, per_layer), _fixed(e)) for e in usable]
     kv = kv_bytes_per_layer(config, kv_reserve_tokens, dtype_bytes)
     if local is not None:
+        local_room = local.available_bytes
+        if grouped_local is not None and grouped_local.group is not None:
+            local_room = _group_room(grouped_local, per_layer)
         try:
             plan = plan_layers(
                 config.num_layers,
-                [WorkerCapacity(LOCAL, local.available_bytes, local.fixed), *workers],
+                [WorkerCapacity(LOCAL, local_room, local.fixed), *workers],
                 per_layer,
                 kv,
             )
@@ -167,38 +209,112 @@ def assemble(
     epoch: int = 0,
     model_source: str = "",
     kv: KVFormat = FULL,
+    tp: int = 1,
+    start_local: Callable[[LayerRange, GroupSpec], object] | None = None,
 ) -> Assembly:
     """Probe, plan, assign and route. Every candidate gets an entry; the serving ones with
-    layers, in layer order, form the chain behind the coordinator's own range. Raises
-    PlanError when no valid plan exists, WorkerCallError when a worker fails on the way."""
+    layers, in layer order, form the chain behind the coordinator's own range (a tensor
+    group counts as one stage, its leader in the chain). A group that does not form is
+    planned again as single stages. Raises PlanError when no valid plan exists,
+    WorkerCallError when a worker fails on the way."""
     entries = probe_all(candidates, config, secret, cluster, probe_timeout_s, tls)
-    plan = plan_stages(entries, config, kv_reserve_tokens, local)
+    me = local_entry(local) if local is not None and start_local is not None else None
+    groups, note = form_groups(entries, config, tp, me)
+    while True:
+        for g in groups:
+            for m in g.members:
+                m.group = g
+        plan = plan_stages(entries, config, kv_reserve_tokens, local, me)
+        started: list = []
+        failed = _load(entries, plan, config, model_source, kv, epoch, me, start_local, started)
+        if not failed:
+            break
+        for member in started:  # the coordinator's part of a group that did not form
+            member.stop()
+        for g in failed:  # its members are planned alone, and the note says why
+            for m in g.members:
+                m.group = None
+            note = f"{note}; {g.describe()} did not form: {g.failed}" if note else g.failed
+            log.warning("tensor group %s did not form: %s", g.describe(), g.failed)
+        groups = [g for g in groups if not g.failed]
+    entries.sort(key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
+    _route(entries, epoch)
+    return Assembly(entries, plan.get(LOCAL), epoch, groups, note, started[0] if started else None)
+
+
+def _load(
+    entries: list[WorkerEntry],
+    plan: dict[str, LayerRange],
+    config: ModelConfig,
+    model_source: str,
+    kv: KVFormat,
+    epoch: int,
+    me: WorkerEntry | None = None,
+    start_local: Callable[[LayerRange, GroupSpec], object] | None = None,
+    started: list | None = None,
+) -> list[Group]:
+    """Assign the plan's ranges (every member of a group the range of its leader), and
+    start the coordinator's group process when it leads one, all at once (a group forms
+    only when every member joins). The groups that failed to form (`failed` says why);
+    the coordinator's started group process is appended to `started`."""
     todo = []
     for e in entries:
         if e.health != "serving":
             continue
-        if e.address not in plan:
+        key = e.group.leader.address if e.group is not None else e.address
+        if key not in plan:
             e.health, e.layers = "spare", None
             continue
-        e.layers = plan[e.address]
+        e.layers = plan[key]
         current = LayerRange(e.info.layer_start, e.info.layer_end) if e.info.has_layers else None
         stored = KVFormat(e.info.kv_bits or None, e.info.kv_group_size or kv.group_size)
-        if current != e.layers or e.info.model_identity != config.identity or stored != kv:
+        alone = e.group is None and e.info.group_size == 0
+        if (
+            current != e.layers
+            or e.info.model_identity != config.identity
+            or stored != kv
+            or not alone
+        ):
             todo.append(e)
-    if todo:  # workers load (and fetch) their ranges at the same time
-        with ThreadPoolExecutor(len(todo)) as pool:
-            assigned = pool.map(lambda e: _assign(e, model_source, kv), todo)
-            for e, info in zip(todo, assigned, strict=True):
-                e.info = info
-    entries.sort(key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
-    _route(entries, epoch)
-    return Assembly(entries, plan.get(LOCAL), epoch)
+    failed: dict[int, Group] = {}
+    lead = me if me is not None and me.group is not None and LOCAL in plan else None
+    if todo or lead:  # workers load (and fetch) their ranges at the same time
+        with ThreadPoolExecutor(len(todo) + 1) as pool:
+            mine = (
+                pool.submit(start_local, plan[LOCAL], lead.group.spec(0, epoch)) if lead else None
+            )
+            assigned = pool.map(lambda e: _assign_member(e, model_source, kv, epoch), todo)
+            if mine is not None:
+                try:
+                    started.append(mine.result())
+                except WedlmError as error:
+                    lead.group.failed = f"the coordinator: {error}"
+                    failed[id(lead.group)] = lead.group
+            for e, (info, error) in zip(todo, assigned, strict=True):
+                if error is None:
+                    e.info = info
+                elif e.group is not None:
+                    e.info.has_layers = False  # it left what it held to join the group
+                    e.group.failed = e.group.failed or f"{e.address}: {error.message}"
+                    failed[id(e.group)] = e.group
+                else:
+                    raise error
+    return list(failed.values())
+
+
+def _assign_member(
+    entry: WorkerEntry, model_source: str, kv: KVFormat, epoch: int
+) -> tuple[pb.WorkerInfo | None, WorkerCallError | None]:
+    try:
+        return _assign(entry, model_source, kv, epoch), None
+    except WorkerCallError as e:
+        return None, e
 
 
 def _route(entries: list[WorkerEntry], epoch: int) -> None:
     """Tell every stage its successor, the last first: a stage only relays to a successor
     that already follows the same plan."""
-    stages = [e for e in entries if e.health == "serving" and e.layers is not None]
+    stages = [e for e in entries if e.stage]
     for i in reversed(range(len(stages))):
         nxt = stages[i + 1].address if i + 1 < len(stages) else ""
         prev = stages[i - 1].address if i > 0 else ""
@@ -210,9 +326,17 @@ def _fixed(entry: WorkerEntry) -> LayerRange | None:
     return LayerRange(info.layer_start, info.layer_end) if info.fixed_range else None
 
 
-def _assign(entry: WorkerEntry, model_source: str, kv: KVFormat) -> pb.WorkerInfo:
-    log.info("assigning layers %s to %s", entry.layers, entry.address)
-    return entry.link.assign(entry.layers.start, entry.layers.end, model_source, kv=kv)
+def _assign(entry: WorkerEntry, model_source: str, kv: KVFormat, epoch: int) -> pb.WorkerInfo:
+    g = entry.group
+    spec = g.spec(g.members.index(entry), epoch) if g is not None else None
+    log.info(
+        "assigning layers %s to %s%s",
+        entry.layers,
+        entry.address,
+        f" (rank {spec.rank} of tensor group {g.describe()})" if spec else "",
+    )
+    r = entry.layers
+    return entry.link.assign(r.start, r.end, model_source, kv=kv, group=spec)
 
 
 def prefetch(arrived: list[WorkerEntry], plan: dict[str, LayerRange], model_source: str) -> None:
@@ -237,5 +361,14 @@ def _room(entry: WorkerEntry, per_layer: int) -> int:
     return int(info.memory_available) + held * per_layer
 
 
+def _group_room(entry: WorkerEntry, per_layer: int) -> int:
+    """A stage's room: a group holds 1/N of each layer and of its KV on every member, so
+    N members with the least room among them hold N times what that member would."""
+    if entry.group is None:
+        return _room(entry, per_layer)
+    members = entry.group.members
+    return len(members) * min(_room(m, per_layer) for m in members)
+
+
 def pipeline_links(entries: list[WorkerEntry]) -> list[WorkerLink]:
-    return [e.link for e in entries if e.health == "serving" and e.layers is not None]
+    return [e.link for e in entries if e.stage]

@@ -19,6 +19,7 @@ from common.grpc_services import CHANNEL_OPTIONS
 from common.kv_format import FULL, KVFormat
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from common.tensor_group.spec import GroupSpec
 from common.tls import TlsConfig, open_channel
 from common.wire_frames import TensorFrame, framed_parser, serialize, with_tensor
 
@@ -103,14 +104,26 @@ class WorkerLink:
         fetch_only: bool = False,
         timeout: float = ASSIGN_DEADLINE_S,
         kv: KVFormat = FULL,
+        group: GroupSpec | None = None,
     ) -> pb.WorkerInfo:
-        """Load layers start-end (a worker that fetches its layers first fetches the ones it
-        lacks from `model_source`: hence the long deadline; a worker that dies meanwhile
-        ends the call at once through the channel's keepalive)."""
+        """Load layers start-end, alone or as a member of `group` (a worker that fetches
+        its layers first fetches the ones it lacks from `model_source`: hence the long
+        deadline; a worker that dies meanwhile ends the call at once through the
+        channel's keepalive)."""
         request = pb.AssignRequest(
             layer_start=start, layer_end=end, model_source=model_source, fetch_only=fetch_only,
             kv_bits=kv.bits or 0, kv_group_size=kv.group_size,
         )  # fmt: skip
+        if group is not None:
+            request.group.CopyFrom(
+                pb.TensorGroup(
+                    rank=group.rank,
+                    size=group.size,
+                    hosts=group.hosts,
+                    backend=group.backend,
+                    epoch=group.epoch,
+                )
+            )
         return self._unary("Assign", request, timeout)
 
     def route(self, epoch: int, next_stage: str, prev_stage: str) -> pb.WorkerInfo:

@@ -14,6 +14,8 @@ from common.layer_range import LayerRange
 from common.layer_runner import LayerRunner
 from common.model_config import ModelConfig
 from common.model_parts import ModelParts, load_model_parts
+from common.tensor_group.member import GroupMember
+from coordinator.engine.group_stage import GroupStage
 
 
 class LocalLayers:
@@ -24,9 +26,12 @@ class LocalLayers:
         self.fixed = fixed  # --layers: the only range this coordinator takes
         self.kv = kv  # how its KV is stored (--kv-bits)
         self.parts: ModelParts | None = None
+        self.group: GroupStage | None = None  # its range held as rank 0 of a tensor group
 
     @property
     def layer_range(self) -> LayerRange | None:
+        if self.group is not None:
+            return self.group.layer_range
         return self.parts.layer_range if self.parts is not None else None
 
     def held_bytes(self) -> int:
@@ -39,9 +44,21 @@ class LocalLayers:
         its current layers occupy (a new plan replaces them)."""
         return host_info.memory()[1] + self.held_bytes()
 
-    def hold(self, layer_range: LayerRange | None) -> LayerRunner | None:
-        """A runner over exactly `layer_range` with no KV (None: hold no layers). The same
-        range keeps its weights; another drops the old layers before loading the new."""
+    def hold(
+        self, layer_range: LayerRange | None, member: GroupMember | None = None
+    ) -> LayerRunner | GroupStage | None:
+        """A runner over exactly `layer_range` with no KV (None: hold no layers), or the
+        stage of the tensor group `member` formed over it (rank 0). The same range alone
+        keeps its weights; another drops the old layers before loading the new."""
+        if self.group is not None:  # every plan forms its groups anew
+            self.group.close()
+            self.group = None
+        if member is not None:
+            self.parts = None
+            gc.collect()
+            mx.clear_cache()
+            self.group = GroupStage(member)
+            return self.group
         if layer_range is not None and self.layer_range == layer_range:
             return LayerRunner(self.parts, self.kv)
         self.parts = None

@@ -115,8 +115,9 @@ class StagePipeline:
     @property
     def keeps_later(self) -> bool:
         """Whether a forward's permanent rows may be named after its launch (`keep`): every
-        layer runs in this process. Workers take the count with the forward itself."""
-        return self.chain is None
+        layer runs in this process. Workers and a tensor group (whose KV is in its
+        processes) take the count with the forward itself."""
+        return self.chain is None and getattr(self.local, "store", None) is not None
 
     def keep(self, seq_ids: list[int], counts: list[int]) -> None:
         """Rows the last forward of each sequence wrote past its length become permanent."""

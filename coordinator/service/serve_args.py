@@ -35,6 +35,7 @@ def serve_options(args: argparse.Namespace, **fixed):
         max_running=args.max_running,
         limits=Limits(**{f.name: getattr(args, f.name) for f, _ in knobs()}),
         micro_batches=args.micro_batches or 0,
+        tp=args.tp,
         metrics_port=args.metrics_port,
         wait_timeout_s=args.wait_timeout,
         kv_reserve_tokens=args.kv_reserve_tokens,

@@ -112,6 +112,18 @@ class ServeSettings:
     micro_batches: int | None = knob(
         None, "micro-batches in flight (default: one per worker)", what="micro-batches in flight"
     )
+    tp: int = knob(
+        1,
+        "tensor parallelism: workers form groups of N that each hold one stage's layers "
+        "split N ways over mlx.distributed (ring, or nccl on CUDA), so one answer runs on N "
+        "machines at once; the coordinator leads the first group; what cannot be grouped "
+        "(heads that do not divide, a model without mlx-lm's Model.shard, a worker started "
+        "with --layers) stays a pipeline stage, as `wedlm status` says (default: 1, a "
+        "pipeline only)",
+        what="workers per tensor-parallel group",
+        low=1,
+        metavar="N",
+    )
     metrics_port: int | None = knob(
         None,
         "serve Prometheus metrics on this HTTP port (0: any free port)",

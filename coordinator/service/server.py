@@ -105,6 +105,7 @@ class ServeOptions:
     max_running: int | None = None  # None: sized to memory once planned (running_limit.py)
     limits: Limits = field(default_factory=Limits)  # the queue and prefill settings
     micro_batches: int = 0  # 0: one per pipeline stage
+    tp: int = 1  # workers per tensor-parallel group (1: a pipeline only)
     metrics_port: int | None = None
     wait_timeout_s: float = _SETTINGS.wait_timeout  # --wait-for-workers: then say what is missing
     recovery_timeout_s: float = 600.0  # how long to wait for workers after a loss
@@ -304,6 +305,7 @@ class CoordinatorServer:
                 opts.tls,
                 model_source=source_address(opts.host, self.port),
                 kv=opts.kv,
+                tp=opts.tp,
             )
             self.planner = StagePlanner(settings, self.config, self.local, self.browser)
             pipeline, micro_batches = self._first_plan()
@@ -524,10 +526,13 @@ class CoordinatorServer:
                 max_prompt_chars=self.max_prompt_chars,
             ),
         )
+        assembly = self.planner.assembly if self.planner is not None else None
+        reply.plan_note = assembly.note if assembly is not None else ""
         for e in self.entries:
             status = reply.workers.add(
-                address=e.address, source=e.source, health=e.health, detail=e.detail
-            )
+                address=e.address, source=e.source, health=e.health, detail=e.detail,
+                group_leader=e.group.leader.address if e.group is not None else "",
+            )  # fmt: skip
             if e.info is not None:
                 status.info.CopyFrom(e.info)
             if e.link is not None and e.link.stats.roundtrip_s:

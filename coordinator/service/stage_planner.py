@@ -11,8 +11,12 @@ import threading
 from dataclasses import dataclass
 
 from common.errors import WedlmError
+from common.free_port import free_port
 from common.kv_format import FULL, KVFormat
+from common.layer_range import LayerRange
 from common.model_config import ModelConfig
+from common.tensor_group.member import GroupMember
+from common.tensor_group.spec import GroupSpec, available_backends
 from coordinator.cluster.cluster_setup import (
     LOCAL,
     Assembly,
@@ -45,6 +49,7 @@ class PlanSettings:
     tls: object = None
     model_source: str = ""  # where workers fetch layers they lack (AssignRequest.model_source)
     kv: KVFormat = FULL  # how every stage stores KV (--kv-bits)
+    tp: int = 1  # workers per tensor-parallel group (--tp; 1: a pipeline only)
 
 
 class StagePlanner:
@@ -71,7 +76,16 @@ class StagePlanner:
     def _local_member(self) -> LocalMember | None:
         if self.local is None:
             return None
-        return LocalMember(self.local.available_bytes(), self.local.fixed)
+        if self.settings.tp <= 1:
+            return LocalMember(self.local.available_bytes(), self.local.fixed)
+        # a candidate for rank 0 of the first tensor group, on a port free now
+        backends = tuple(available_backends())
+        return LocalMember(self.local.available_bytes(), self.local.fixed, free_port(""), backends)
+
+    def _start_local(self, layer_range: LayerRange, spec: GroupSpec) -> GroupMember:
+        """The coordinator's group process for rank 0 of `spec` over `layer_range` (raises
+        GroupFailed when the group does not form)."""
+        return GroupMember(self.config.path, layer_range, self.settings.kv, spec)
 
     def build(self, probe_timeout_s: float = 2.0) -> tuple[StagePipeline, int]:
         """Probe, plan, assign, route and load: the new pipeline and its micro-batch count.
@@ -92,8 +106,14 @@ class StagePlanner:
             epoch=epoch,
             model_source=s.model_source,
             kv=s.kv,
+            tp=s.tp,
+            start_local=self._start_local if self.local is not None else None,
         )
-        runner = self.local.hold(assembly.local) if self.local is not None else None
+        runner = (
+            self.local.hold(assembly.local, assembly.local_member)
+            if self.local is not None
+            else None
+        )
         links = assembly.links
         chain = WorkerChain(links, epoch) if links else None
         if runner is None and chain is None:

@@ -1,0 +1,201 @@
+"""One member's MLX part of a tensor-parallel group: a child process of the worker (or of
+the coordinator), started for each new group (an mlx.distributed group cannot be formed
+again inside a process, and its collectives hang when a peer dies, so a lost group is
+ended with its processes).
+
+It joins the group, loads the stage's layer range, splits it with mlx-lm's `Model.shard`
+and serves its parent over stdin/stdout (common/tensor_group/wire.py). Only the leader's
+parent sends work: the leader hands each message to every member with two all_sums (its
+length, then its bytes; the others add zeros), so all ranks run the same forwards in the
+same order and their KV stays alike. Only the leader answers.
+
+    python -m common.tensor_group.process   # started by common/tensor_group/member.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from common.errors import WedlmError
+from common.kv_format import KVFormat
+from common.layer_range import LayerRange
+from common.layer_runner import LayerRunner, RowsError, select_slots
+from common.layer_sizes import DTYPE_NAMES, kv_bytes_per_token, loaded_layer_bytes, parts_dtype
+from common.model_config import load_model_config
+from common.model_parts import load_model_parts
+from common.tensor_codec import decode, wire_form
+from common.tensor_group.spec import GroupSpec, shard_layers
+from common.tensor_group.wire import (
+    PipeClosed,
+    pack,
+    read_body,
+    read_frame,
+    slots_of,
+    spec_of,
+    tensor_of,
+    unpack,
+    write_frame,
+)
+
+SHARE_BLOCK = 16384  # bytes handed to every rank in one all_sum (a decode step's message)
+
+
+def join(spec: GroupSpec) -> mx.distributed.Group:
+    """Form the group (blocks until every member has joined). The environment is what
+    `mlx.launch` sets for each backend."""
+    os.environ["MLX_RANK"] = str(spec.rank)
+    os.environ["MLX_WORLD_SIZE"] = str(spec.size)
+    if spec.backend == "nccl":
+        host, _, port = spec.hosts[0].rpartition(":")
+        os.environ["NCCL_HOST_IP"], os.environ["NCCL_PORT"] = host, port
+    else:  # ring and jaccl read a hostfile: one list of addresses per rank
+        hostfile = Path(tempfile.mkdtemp(prefix="wedlm-group-")) / "hosts.json"
+        hostfile.write_text(json.dumps([[h] for h in spec.hosts]))
+        os.environ["MLX_HOSTFILE"] = str(hostfile)
+    group = mx.distributed.init(strict=True, backend=spec.backend)
+    if group.size() != spec.size:
+        raise WedlmError(f"the group formed with {group.size()} members, not {spec.size}")
+    return group
+
+
+class Member:
+    def __init__(self, init: dict[str, Any], out) -> None:
+        self.spec = GroupSpec(**init["group"])
+        self.group = join(self.spec)
+        write_frame(out, {"joined": True})  # the layers load next, which may take long
+        config = load_model_config(init["path"])
+        parts = load_model_parts(
+            config.path, LayerRange(init["start"], init["end"]), with_ends=False, config=config
+        )
+        shard_layers(config, parts.layers, self.group)
+        mx.eval(parts.parameters())
+        self.dtype = parts_dtype(parts)
+        kv = KVFormat(init.get("kv_bits") or None, init.get("kv_group_size") or 64)
+        self.runner = LayerRunner(parts, kv)
+        self.ready = {
+            "ready": True,
+            "dtype": DTYPE_NAMES.get(self.dtype, str(self.dtype)),
+            "layer_bytes": loaded_layer_bytes(parts),
+            "kv_bytes_per_token": kv_bytes_per_token(config, self.dtype, len(parts.layers), kv),
+        }
+
+    @property
+    def leader(self) -> bool:
+        return self.spec.rank == 0
+
+    def share(self, body: bytes | None) -> bytes:
+        """The leader's message on every rank, summed over the group (the others add
+        zeros): a fixed block that holds its length and a decode step's whole message,
+        then, for a longer one (a prompt chunk), the rest."""
+        block = np.zeros(SHARE_BLOCK, dtype=np.uint8)
+        if body is not None:
+            block[:4] = np.frombuffer(len(body).to_bytes(4, "little"), dtype=np.uint8)
+            head = np.frombuffer(body[: SHARE_BLOCK - 4], dtype=np.uint8)
+            block[4 : 4 + head.size] = head
+        got = np.array(mx.distributed.all_sum(mx.array(block), group=self.group))
+        size = int.from_bytes(got[:4].tobytes(), "little")
+        data = got[4 : 4 + min(size, SHARE_BLOCK - 4)].tobytes()
+        rest = size - len(data)
+        if rest > 0:
+            tail = (
+                mx.array(np.frombuffer(body[SHARE_BLOCK - 4 :], dtype=np.uint8))
+                if body is not None
+                else mx.zeros((rest,), dtype=mx.uint8)
+            )
+            data += bytes(np.array(mx.distributed.all_sum(tail, group=self.group)))
+        return data
+
+    def handle(self, message: dict[str, Any]) -> dict[str, Any]:
+        op = message["op"]
+        try:
+            if op == "forward":
+                return self.forward(message)
+            if op == "release":
+                held = [s for s in dict.fromkeys(message["ids"]) if s in self.runner.store]
+                self.runner.release(held)
+                return {"ok": True, "released": len(held), **self.kv_state()}
+        except RowsError as e:  # every rank refuses alike: their state is the same
+            return {"ok": False, "code": e.code, "message": str(e)}
+        except Exception as e:
+            return {"ok": False, "code": "INTERNAL", "message": f"{type(e).__name__}: {e}"}
+        return {"ok": False, "code": "INVALID_ARGUMENT", "message": f"unknown op {op!r}"}
+
+    def forward(self, message: dict[str, Any]) -> dict[str, Any]:
+        started = time.perf_counter()
+        spec = spec_of(message["spec"])
+        x = decode(tensor_of(message["hidden"]))
+        self.runner.check(spec, x.shape)
+        out = self.runner.forward(spec, x.astype(self.dtype), validate=False)
+        slots = slots_of(message["slots"])
+        if slots is not None:
+            out = select_slots(out, slots)
+        wire, raw = wire_form(out.astype(x.dtype))
+        data = np.array(raw)  # waits for the layers (and their all_sums)
+        reply = {"ok": True, "hidden": [wire, list(data.shape), data.tobytes()]}
+        return {**reply, "compute_s": time.perf_counter() - started, **self.kv_state()}
+
+    def kv_state(self) -> dict[str, int]:
+        return {"kv_sequences": len(self.runner.store), "kv_bytes": self.runner.kv_bytes()}
+
+    def serve(self, src, out) -> None:
+        while True:
+            if self.leader:
+                try:
+                    body = read_body(src)
+                except PipeClosed:
+                    body = pack({"op": "stop"})  # the worker is gone: end the group with it
+            else:
+                body = None
+            message = unpack(self.share(body))
+            if message["op"] == "stop":
+                return
+            reply = self.handle(message)
+            if self.leader:
+                write_frame(out, reply)
+
+
+def _end_with_parent() -> None:
+    """Exit when the worker that started this process is gone (killed with it, or not):
+    a member blocked in a collective would otherwise outlive it."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main() -> int:
+    _end_with_parent()
+    src, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but frames on the pipe
+    try:
+        init = read_frame(src)
+        member = Member(init, out)
+    except PipeClosed:
+        return 0
+    except Exception as e:
+        write_frame(out, {"ready": False, "error": f"{type(e).__name__}: {e}"})
+        return 1
+    write_frame(out, member.ready)
+    if member.leader:
+        member.serve(src, out)
+    else:  # a follower's parent only watches it; its work comes from the leader
+        member.serve(None, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

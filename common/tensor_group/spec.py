@@ -1,0 +1,85 @@
+"""Tensor-parallel groups (issue 31): which backends a process can join, whether a model's
+layers can be split N ways, and the split itself, done by mlx-lm's own `Model.shard`
+(`shard_linear` / `shard_inplace`: attention heads and MLP columns, their KV with them).
+The coordinator asks `shard_problem` before it forms a group; a member's group process
+(common/tensor_group/process.py) calls `shard_layers` on the layers it loaded."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from common.model_config import ModelConfig
+
+BACKENDS = ("ring", "jaccl", "nccl")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One member's view of its group: its rank, the group's size and backend, and where
+    every rank's group process listens ("host:port" each; nccl uses the leader's)."""
+
+    rank: int
+    size: int
+    hosts: list[str] = field(default_factory=list)
+    backend: str = "ring"
+    epoch: int = 0
+
+    def check(self) -> None:
+        if self.size < 2:
+            raise ValueError(f"a tensor group has at least 2 members, not {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is outside a group of {self.size}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown group backend {self.backend!r} ({', '.join(BACKENDS)})")
+        if len(self.hosts) != self.size:
+            raise ValueError(f"{len(self.hosts)} hosts for a group of {self.size}: one per rank")
+        for host in self.hosts:
+            name, _, port = host.rpartition(":")
+            if not name or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"group host {host!r} is not HOST:PORT")
+
+
+def available_backends() -> list[str]:
+    """The backends this process's MLX was built with (ring runs anywhere; jaccl needs
+    RDMA over Thunderbolt 5, macOS 26.2+; nccl needs CUDA)."""
+    import mlx.core as mx
+
+    return [b for b in BACKENDS if mx.distributed.is_available(b)]
+
+
+def _model_class(config: ModelConfig):
+    try:
+        return importlib.import_module(f"mlx_lm.models.{config.family}").Model
+    except (ImportError, AttributeError):
+        return None
+
+
+def shard_problem(config: ModelConfig, size: int) -> str | None:
+    """Why this model's layers cannot be split `size` ways (None: they can)."""
+    if config.diffusion:
+        return f"{config.model_type} (a diffusion model) has no tensor-parallel split"
+    model = _model_class(config)
+    if model is None or not hasattr(model, "shard"):
+        return f"mlx-lm's {config.family} has no Model.shard: its layers are not split"
+    raw = config.raw
+    heads = int(raw.get("num_attention_heads") or 0)
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    for name, value in (
+        ("attention heads", heads),
+        ("key/value heads", kv_heads),
+        ("MLP width (intermediate_size)", int(raw.get("intermediate_size") or 0)),
+        ("expert MLP width", int(raw.get("moe_intermediate_size") or 0)),
+    ):
+        if value and value % size:
+            return f"its {value} {name} do not divide by {size}"
+    return None
+
+
+def shard_layers(config: ModelConfig, layers: list, group) -> None:
+    """Split `layers` (a process's loaded, contiguous range) in place over `group`, the
+    way mlx-lm's `Model.shard` splits a whole model: the method only walks
+    `self.model.layers`, so it is called on a stand-in that holds just these."""
+    stand_in = SimpleNamespace(model=SimpleNamespace(layers=layers))
+    _model_class(config).shard(stand_in, group)
