@@ -23,10 +23,11 @@ GPU (nvidia-h200-x2), one call each; 32B at full depth needs about 66 GB of disk
   python benchmarks/dev/tp_gpu.py make-model --model random-qwen3-8b --out $OUT
   python benchmarks/dev/tp_gpu.py mlxlm profile --model random-qwen3-8b --out $OUT
   python benchmarks/dev/tp_gpu.py servers --model random-qwen3-8b --ours tp2 --out $OUT
-CPU dry run (ring over 127.0.0.1, a tiny shape):
+CPU dry run (ring over 127.0.0.1; hidden 1024 so that the tiny shape's 2 KV heads split):
   python benchmarks/dev/tp_gpu.py make-model mlxlm profile servers --model random-qwen3-8b \\
-      --layers-override 2 --hidden-override 256 --tokens 12 --concurrency 1 4 --prefill 256 \\
-      --duration 4 --warmup 1 --max-tokens 16 --out /tmp/tpg
+      --layers-override 2 --hidden-override 1024 --tokens 12 --batch 4 --prefill 256 \\
+      --context 64 --steps 4 --concurrency 1 4 --duration 20 --warmup 2 --max-tokens 8 \\
+      --out /tmp/tpg
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ if str(ROOT) not in sys.path:  # run as a script: the project root holds benchma
 
 from benchmarks.dev import bench_io
 from benchmarks.dev.bench_io import now
-from benchmarks.dev.tp_shapes import SHAPES, layer_params
+from benchmarks.dev.tp_shapes import SHAPES, VOCAB, layer_params
 
 PHASES = ("make-model", "mlxlm", "profile", "servers")
 RANDOM = {f"random-{name}": name for name in SHAPES}
@@ -89,7 +90,7 @@ def make_model(args) -> dict[str, Any]:
         out["GB_s"] = round(rate / 1e9, 3)
         out["estimate_full_depth_s"] = {}
         for other, s in SHAPES.items():  # the same rate: a bound, not a measurement
-            full = 2 * (s["layers"] * layer_params(s) + 2 * 151936 * s["hidden"])
+            full = 2 * (s["layers"] * layer_params(s) + 2 * VOCAB * s["hidden"])
             out["estimate_full_depth_s"][f"{other} ({s['layers']} layers)"] = round(full / rate)
     return out
 
@@ -146,14 +147,15 @@ def profile(args, path: Path) -> dict[str, Any]:
         "all_sums_alone_chain_ms": tp["all_sum_alone"]["ms_per_step_in_chain"],
         "compute_speedup_one_over_tp_alone": _ratio(w["step_ms"], alone["step_ms"]),
         "step_speedup_one_over_tp": _ratio(w["step_ms"], real["step_ms"]),
-        "head_ms_one": round(w["step_ms"] - w["layers_only_ms"], 3),
+        "head_and_argmax_ms_one": round(w["step_ms"] - w["layers_only_ms"], 3),
     }
     return {"backend": args.backend, "tp": args.tp, "one": one, "tpN": tp, "split": split,
             "how": "synchronous steps (build the lazy graph, eval and wait) at --context; "
                    "TP compute alone = the same shards with ShardedToAllLinear's all_sum "
                    "replaced by the identity; collectives in step = TP step - that; "
                    "all_sums alone = one chain of as many all_sums as a forward issues; "
-                   "rank 0's timings; head = step - the layers without the lm_head"}  # fmt: skip
+                   "rank 0's timings; head and argmax = step - the layers alone (eval of "
+                   "model.model, no lm_head)"}  # fmt: skip
 
 
 # ---- phase servers -------------------------------------------------------------------------

@@ -132,9 +132,9 @@ def prefill(model, ids: mx.array, repeats: int) -> dict[str, Any]:
 
 # ---- profile -------------------------------------------------------------------------------
 @contextmanager
-def no_all_sum() -> Iterator[int]:
-    """ShardedToAllLinear without its all_sum (the same matmul and bias); yields nothing new
-    but restores mlx's own on exit."""
+def no_all_sum() -> Iterator[None]:
+    """ShardedToAllLinear without its all_sum (the same matmul and bias) inside the block;
+    mlx's own again on exit."""
     from mlx.nn.layers.distributed import ShardedToAllLinear
 
     original = ShardedToAllLinear.__call__
@@ -145,7 +145,7 @@ def no_all_sum() -> Iterator[int]:
 
     ShardedToAllLinear.__call__ = local
     try:
-        yield 0
+        yield
     finally:
         ShardedToAllLinear.__call__ = original
 

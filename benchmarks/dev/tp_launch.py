@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -76,7 +77,7 @@ def run_task(task: str, params: dict[str, Any], tp: int, backend: str, timeout: 
             proc = spawn_command(argv, env=one_gpu_env(), group=True)
         try:
             code = proc.popen.wait(timeout)
-        except Exception:  # a timeout: a rank stuck in a collective, or slow
+        except subprocess.TimeoutExpired:  # a rank stuck in a collective, or slow
             code = None
         finally:
             proc.stop()
