@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +24,7 @@ class Proc:
     popen: subprocess.Popen
     lines: queue.Queue = field(default_factory=queue.Queue)
     log: list[str] = field(default_factory=list)
+    group: bool = False  # a session of its own: stop() ends its whole process group
 
     def expect(self, pattern: str, timeout: float = STARTUP_TIMEOUT_S) -> re.Match:
         """Wait for a stdout line matching pattern (or fail with what the process said)."""
@@ -46,6 +49,8 @@ class Proc:
         return code, "".join(self.log)
 
     def stop(self) -> None:
+        if self.group:  # a launcher's children (mlx.launch's ranks) outlive it otherwise
+            self._signal_group(signal.SIGTERM)
         if self.popen.poll() is None:
             self.popen.terminate()
             try:
@@ -53,22 +58,32 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(5)
+        if self.group:
+            self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):  # its own session: group id = its pid
+            os.killpg(self.popen.pid, sig)
 
 
 def spawn(module: str, *args: str, env: dict[str, str] | None = None) -> Proc:
     return spawn_command([sys.executable, "-m", module, *args], env=env)
 
 
-def spawn_command(argv: list[str], env: dict[str, str] | None = None) -> Proc:
-    """Start argv with its stdout and stderr read, line by line, into the Proc."""
+def spawn_command(argv: list[str], env: dict[str, str] | None = None, group: bool = False) -> Proc:
+    """Start argv with its stdout and stderr read, line by line, into the Proc. `group`: in a
+    session of its own, with a stdin that stays open (mlx.launch polls its stdin: at EOF it
+    spins), so that stop() ends it and every process it started."""
     popen = subprocess.Popen(
         argv,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        stdin=subprocess.PIPE if group else None,
+        start_new_session=group,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
-    proc = Proc(popen)
+    proc = Proc(popen, group=group)
 
     def read() -> None:
         for line in popen.stdout:

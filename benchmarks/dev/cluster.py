@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:  # run as a script: the project root holds tests/ 
 from benchmarks.dev import grpc_floor
 from benchmarks.dev.bench_cluster import GPUS_HELP, Cluster
 from benchmarks.dev.bench_io import add_random_model_flags, finish, hidden_states, suptitled
+from benchmarks.dev.random_qwen3 import QWEN3_8B, write_random_qwen3
 from common.generation_params import GenerationParams
 from common.model_config import load_model_config
 from common.rows_spec import RowsSpec
@@ -50,120 +51,6 @@ PREFILL_ROWS = 512  # one prefill chunk
 STEP_TARGET = 1.15  # 2 workers / single process
 WINDOW = 16
 LISTENING = r"listening on (127\.0\.0\.1:\d+)"
-
-
-# ---- a random Qwen3-8B-shaped checkpoint ----------------------------------------------------
-QWEN3_8B = dict(
-    layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936
-)
-SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
-
-
-def _tokenizer_files(out: Path, vocab: int) -> None:
-    """A word-level tokenizer with one token per model id (w0, w1, …, and Qwen's special
-    tokens at their ids), so every id a random model emits decodes."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    by_id = {i: t for t, i in SPECIALS.items()}
-    table = {by_id.get(i, f"w{i}"): i for i in range(vocab)}
-    tok = Tokenizer(models.WordLevel(table, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(list(SPECIALS))
-    tok.save(str(out / "tokenizer.json"))
-    cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": "w0",
-        "model_max_length": 40960,
-        "clean_up_tokenization_spaces": False,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
-
-
-def write_random_qwen3(out: Path, layers: int, hidden: int, layers_per_shard: int = 4) -> Path:
-    """Random bf16 weights, written shard by shard (one shard per few layers) so that at most
-    one shard's tensors are alive at a time. Reused when a complete one is already there."""
-    s = dict(QWEN3_8B, layers=layers, hidden=hidden)
-    if hidden != QWEN3_8B["hidden"]:  # shrunk for a smoke test: keep the 8B proportions
-        s.update(intermediate=3 * hidden, heads=max(1, hidden // 128))
-        s["kv_heads"] = max(1, s["heads"] // 4)
-    raw = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": s["hidden"],
-        "intermediate_size": s["intermediate"],
-        "num_hidden_layers": s["layers"],
-        "num_attention_heads": s["heads"],
-        "num_key_value_heads": s["kv_heads"],
-        "head_dim": s["head_dim"],
-        "vocab_size": s["vocab"],
-        "max_position_embeddings": 40960,
-        "rope_theta": 1000000.0,
-        "rms_norm_eps": 1e-6,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": SPECIALS["<|endoftext|>"],
-        "eos_token_id": SPECIALS["<|im_end|>"],
-    }
-    done = out / ".complete"
-    if done.exists() and json.loads(done.read_text()) == raw:
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("model-*.safetensors"):
-        old.unlink()
-    h, hd, v, inter = s["hidden"], s["head_dim"], s["vocab"], s["intermediate"]
-    key = mx.random.key(0)
-
-    def rand(shape):
-        nonlocal key
-        key, sub = mx.random.split(key)
-        return (mx.random.normal(shape, key=sub) * 0.02).astype(mx.bfloat16)
-
-    def layer(i: int) -> dict[str, mx.array]:
-        p = f"model.layers.{i}."
-        return {
-            p + "input_layernorm.weight": mx.ones((h,), mx.bfloat16),
-            p + "post_attention_layernorm.weight": mx.ones((h,), mx.bfloat16),
-            p + "self_attn.q_proj.weight": rand((s["heads"] * hd, h)),
-            p + "self_attn.k_proj.weight": rand((s["kv_heads"] * hd, h)),
-            p + "self_attn.v_proj.weight": rand((s["kv_heads"] * hd, h)),
-            p + "self_attn.o_proj.weight": rand((h, s["heads"] * hd)),
-            p + "self_attn.q_norm.weight": mx.ones((hd,), mx.bfloat16),
-            p + "self_attn.k_norm.weight": mx.ones((hd,), mx.bfloat16),
-            p + "mlp.gate_proj.weight": rand((inter, h)),
-            p + "mlp.up_proj.weight": rand((inter, h)),
-            p + "mlp.down_proj.weight": rand((h, inter)),
-        }
-
-    groups: list = [lambda: {"model.embed_tokens.weight": rand((v, h))}]
-    for first in range(0, layers, layers_per_shard):
-        ids = range(first, min(first + layers_per_shard, layers))
-        groups.append(lambda ids=ids: {k: t for i in ids for k, t in layer(i).items()})
-    groups.append(
-        lambda: {"model.norm.weight": mx.ones((h,), mx.bfloat16), "lm_head.weight": rand((v, h))}
-    )
-    weight_map, total = {}, 0
-    for n, make in enumerate(groups):
-        tensors = make()
-        mx.eval(tensors)
-        name = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
-        mx.save_safetensors(str(out / name), tensors, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-        total += sum(t.nbytes for t in tensors.values())
-        del tensors
-        mx.clear_cache()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    (out / "config.json").write_text(json.dumps(raw, indent=1))
-    gen = {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}
-    (out / "generation_config.json").write_text(json.dumps(gen))
-    _tokenizer_files(out, s["vocab"])
-    done.write_text(json.dumps(raw))
-    return out
 
 
 # ---- (1) per-hop overhead -------------------------------------------------------------------

@@ -88,7 +88,7 @@ def make_random_checkpoint(
     from mlx.utils import tree_flatten
     from mlx_vlm.models.diffusion_gemma import Model, ModelConfig
 
-    from benchmarks.dev.cluster import _tokenizer_files
+    from benchmarks.dev.random_qwen3 import _tokenizer_files
 
     if (out / "config.json").exists():
         return out

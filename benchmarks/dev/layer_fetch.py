@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the project root holds tests/ too
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.dev.cluster import write_random_qwen3
+from benchmarks.dev.random_qwen3 import write_random_qwen3
 from common.checkpoint_weights import weight_files
 from common.layer_range import LayerRange
 from common.model_config import load_model_config

@@ -90,6 +90,8 @@ class Server:
     health: str
     model_id: str | None = None
     proc: Proc | None = None
+    group: bool = False  # a launcher (mlx.launch): stopped with all it started
+    extra: dict | None = None  # extra body fields of its requests (ours: the WeDLM ones)
     info: dict = field(default_factory=dict)
     past_log: list[str] = field(default_factory=list)  # of its earlier processes
 
@@ -110,7 +112,7 @@ class Server:
         t0 = now()
         if self.proc is not None:
             self.past_log += [*self.proc.log, "---- restarted ----\n"]
-        self.proc = spawn_command(self.argv)
+        self.proc = self.launch()
         deadline = t0 + timeout
         while not _get(f"http://127.0.0.1:{self.port}{self.health}"):
             if not self.alive:
@@ -124,6 +126,10 @@ class Server:
             self.model_id = json.loads(_get(f"{self.url}/models"))["data"][0]["id"]
         self.info.update(probe(self))
         self.info.setdefault("ready_s", []).append(round(now() - t0, 1))
+
+    def launch(self) -> Proc:
+        """Start its process(es); the returned one serves HTTP (a subclass may start more)."""
+        return spawn_command(self.argv, group=self.group)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -217,7 +223,7 @@ def run_all(servers: dict[str, Server], skipped: dict[str, str], args, result: d
                         skipped[name] = str(e)
                         continue
                 run_tag += 1
-                req = OpenAIRequest(args.max_tokens, 0.0, tag=run_tag)
+                req = OpenAIRequest(args.max_tokens, 0.0, extra=server.extra, tag=run_tag)
                 stats = level(pool, args.client_processes, "openai", server.url,
                               server.model_id, c, req, args, label=name)  # fmt: skip
                 runs[name] = kept(stats)

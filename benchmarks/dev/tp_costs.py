@@ -88,7 +88,7 @@ def _rank_main(task: str, params: dict[str, Any]) -> None:
     import mlx.core as mx
 
     group = mx.distributed.init(backend="ring", strict=True)
-    result = {"collectives": _rank_collectives, "shard": _rank_shard}[task](group, params)
+    result = {"collectives": rank_collectives, "shard": _rank_shard}[task](group, params)
     if group.rank() == 0:
         print(json.dumps(result), flush=True)
 
@@ -96,7 +96,7 @@ def _rank_main(task: str, params: dict[str, Any]) -> None:
 # ---------------------------------------------------------------- phase: collectives
 
 
-def _rank_collectives(group, p: dict[str, Any]) -> dict[str, Any]:
+def rank_collectives(group, p: dict[str, Any]) -> dict[str, Any]:
     """Median ms of one all_sum per message (an eval each), and per all_sum when `chain`
     of them run in one graph (the way a forward issues them: 2 per layer)."""
     import mlx.core as mx
