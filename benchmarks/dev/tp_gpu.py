@@ -253,7 +253,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--ours",
         default="pipeline2",
-        choices=("pipeline2", "tp2"),
+        choices=("pipeline2", "tp2", "tp2c", "one"),
         help="preset templates (tp_gpu_servers.py); --ours-cmd replaces them",
     )
     g.add_argument("--ours-cmd", action="append", help="a command template (repeat, in order)")

@@ -36,14 +36,26 @@ PIPELINE2 = [
     _WORKER.replace("{gpu}", "1").replace("{port%d}", "{port1}") + " --layers {range1}",
     _COORDINATOR,
 ]
-# Issue 31's TP = 2 stage, as its brief names it (`--tp 2`; the workers hold every layer and
-# the plan shards them): a guess at the final flags until that work is merged.
+# Issue 31's TP = 2 stage of two workers (`--tp 2`; the workers hold every layer, split).
 TP2 = [
     _WORKER.replace("{gpu}", "0").replace("{port%d}", "{port0}"),
     _WORKER.replace("{gpu}", "1").replace("{port%d}", "{port1}"),
     _COORDINATOR + " --tp 2",
 ]
-PRESETS = {"pipeline2": PIPELINE2, "tp2": TP2}
+# Two machines' layout: the coordinator leads the group (rank 0 on GPU 0), one worker rank 1.
+TP2C = [
+    _WORKER.replace("{gpu}", "1").replace("{port%d}", "{port0}"),
+    _COORDINATOR.replace(" --no-local-layers --expect 2", " --expect 1").replace(
+        " --worker 127.0.0.1:{port1}", ""
+    )
+    + " --tp 2",
+]
+# Ours on one GPU: the coordinator alone holds every layer.
+ONE = [
+    "env CUDA_VISIBLE_DEVICES=0 {python} -m coordinator.service.server_cli serve --model {model} "
+    "--port 0 --http-port {http_port} --state-dir none --no-bonjour --cluster {cluster}"
+]
+PRESETS = {"pipeline2": PIPELINE2, "tp2": TP2, "tp2c": TP2C, "one": ONE}
 
 
 @dataclass
