@@ -44,13 +44,15 @@ def rank_main(task: str, p: dict[str, Any]) -> None:
 
 
 def load(path: Path, group):
+    """mlx-lm's model, split with its own `Model.shard` when the group has several ranks.
+    Not `sharded_load`: in mlx-lm 0.32.2 it runs an all_sum on the CPU stream first, which
+    MLX's NCCL backend refuses ("There is no Stream(gpu, 1) in current thread")."""
     from mlx_lm.utils import load as load_whole
-    from mlx_lm.utils import sharded_load
 
+    model, _ = load_whole(str(path), lazy=group.size() > 1)
     if group.size() > 1:
-        model, _ = sharded_load(str(path), tensor_group=group)
-    else:
-        model, _ = load_whole(str(path))
+        model.shard(group)
+        mx.eval(model.parameters())
     return model
 
 
@@ -62,7 +64,7 @@ def prompt(length: int, vocab: int, seed: int) -> mx.array:
 
 def _barrier(group) -> None:
     if group.size() > 1:
-        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
 
 
 # ---- bench ---------------------------------------------------------------------------------

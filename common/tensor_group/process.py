@@ -79,6 +79,10 @@ class Member:
         )
         shard_layers(config, parts.layers, self.group)
         mx.eval(parts.parameters())
+        # The whole range was read to cut this rank's share: hand the rest back now, or
+        # MLX's buffer cache keeps it beside the share (on a GPU shared with the
+        # coordinator, that is the difference between fitting and running out of memory).
+        mx.clear_cache()
         self.dtype = parts_dtype(parts)
         kv = KVFormat(init.get("kv_bits") or None, init.get("kv_group_size") or 64)
         self.runner = LayerRunner(parts, kv)
