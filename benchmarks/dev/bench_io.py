@@ -41,6 +41,24 @@ def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
     return statistics.median(times) * 1e3
 
 
+def build_then_wait(make: Callable[[], Any], runs: int, skip: int = 2) -> tuple[list, list]:
+    """Seconds each of `runs` calls of `make` (which builds and returns a lazy MLX graph)
+    spends building, then evaluating and waiting for it; the first `skip` are not kept."""
+    import mlx.core as mx
+
+    build, wait = [], []
+    for i in range(runs + skip):
+        t0 = time.perf_counter()
+        out = make()
+        t1 = time.perf_counter()
+        mx.eval(out)
+        t2 = time.perf_counter()
+        if i >= skip:
+            build.append(t1 - t0)
+            wait.append(t2 - t1)
+    return build, wait
+
+
 def hidden_states(nbytes: int, hidden: int, shape: Callable[[int, int], tuple[int, int]],
                   seq_base: int):  # fmt: skip
     """bf16 hidden states of about `nbytes` in the (sequences, rows) `shape` gives, evaluated,

@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 import coordinator.engine.engine as engine_module
-from benchmarks.dev.bench_io import finish, pyplot, run_info
+from benchmarks.dev.bench_io import build_then_wait, finish, pyplot, run_info
 from benchmarks.dev.engine import wedlm_filled, window_forward
 from benchmarks.dev.speculative import COUNTING
 from common.generation_params import GenerationParams
@@ -163,17 +163,11 @@ def bare_forwards(parts, context: int, widths: list[int], repeats: int) -> dict:
             kinds["wedlm"] = window_visibility(wedlm_filled(t))[None]
         heads = np.arange(t)[None] if t > 1 else None
         for kind, windows in kinds.items():
-            serial, build = [], []
-            for r in range(repeats + 2):
-                tokens = ids(t)
-                t0 = now()
-                logits = window_forward(parts, kv, tokens, windows, heads)
-                t1 = now()
-                mx.eval(logits)
-                t2 = now()
-                if r >= 2:
-                    build.append(t1 - t0)
-                    serial.append(t2 - t0)
+            build, wait = build_then_wait(
+                lambda: window_forward(parts, kv, ids(t), windows, heads),
+                repeats,  # noqa: B023
+            )
+            serial = [b + w for b, w in zip(build, wait, strict=True)]
             out[f"{kind}/T{t}"] = {
                 "serial_ms": round(1e3 * statistics.median(serial), 3),
                 "build_ms": round(1e3 * statistics.median(build), 3),

@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.dev.bench_io import now
+from benchmarks.dev.bench_io import build_then_wait, now
 
 
 def rank_main(task: str, p: dict[str, Any]) -> None:
@@ -165,19 +165,15 @@ def step_profile(model, context: int, steps: int, vocab: int) -> dict[str, Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    y = mx.argmax(model(prompt(context, vocab, 3)[None], cache=cache)[:, -1], axis=-1)
-    mx.eval(y)
-    build, wait = [], []
-    for i in range(steps + 2):  # 2 unmeasured
-        t0 = now()
-        logits = model(y[None], cache=cache)
-        y = mx.argmax(logits[:, -1], axis=-1)
-        t1 = now()
-        mx.eval(y)
-        t2 = now()
-        if i >= 2:
-            build.append(t1 - t0)
-            wait.append(t2 - t1)
+    last = [mx.argmax(model(prompt(context, vocab, 3)[None], cache=cache)[:, -1], axis=-1)]
+    mx.eval(last[0])
+
+    def step() -> mx.array:
+        last[0] = mx.argmax(model(last[0][None], cache=cache)[:, -1], axis=-1)
+        return last[0]
+
+    build, wait = build_then_wait(step, steps)
+    y = last[0]
     layers = []
     for _ in range(max(3, steps // 2)):
         t0 = now()
