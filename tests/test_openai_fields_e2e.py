@@ -148,8 +148,8 @@ def test_json_schema_output_validates(server, client, mode):
     for answer in answers:
         assert answer.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(answer.choices[0].message.content), SCHEMA)
-        assert answer.usage.mode == "ar"  # one grammar-checked token per forward
-    if mode != "ar":  # greedy: the constrained answer is AR's
+        assert answer.usage.mode == mode  # constrained output keeps its decoding mode
+    if mode == "speculative":  # greedy: the constrained answer is AR's
         ar = ask(prompts[0], 0.0)
         assert ar.choices[0].message.content == answers[0].choices[0].message.content
 

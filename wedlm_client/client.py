@@ -53,6 +53,11 @@ def final_dict(final: pb.Final) -> dict[str, Any]:
     }
     if stats.warning:
         record["warning"] = stats.warning
+    if final.logprobs:  # the request asked for them: one per token
+        record["logprobs"] = [
+            {"id": e.id, "logprob": e.logprob, "top": [(t.id, t.logprob) for t in e.top]}
+            for e in final.logprobs
+        ]
     if final.error:
         record["error"] = final.error
         if final.error_kind:
@@ -98,8 +103,13 @@ class WedlmClient:
         ids: list[int] | None = None,
         chat: bool = False,
         params: GenerationParams | None = None,
+        output_format: pb.OutputFormat | None = None,
     ) -> Iterator[tuple]:
-        req = request_from_params(params or GenerationParams(), text, ids, chat)
+        """("tokens", ids, text) events, then ("final", final_dict); `output_format`: what
+        the output must match (pb.OutputFormat(json_schema=...), regex, lark)."""
+        req = request_from_params(
+            params or GenerationParams(), text, ids, chat, output_format=output_format
+        )
         try:
             for event in self.stub.Generate(req, timeout=self.timeout, metadata=self.metadata):
                 if event.WhichOneof("event") == "tokens":
@@ -109,18 +119,24 @@ class WedlmClient:
         except grpc.RpcError as e:
             raise ClusterError(e.code(), e.details() or "") from None
 
-    def generate(self, text=None, ids=None, chat=False, params=None) -> dict[str, Any]:
+    def generate(
+        self, text=None, ids=None, chat=False, params=None, output_format=None
+    ) -> dict[str, Any]:
         final = None
-        for event in self.generate_stream(text, ids, chat, params):
+        for event in self.generate_stream(text, ids, chat, params, output_format):
             if event[0] == "final":
                 final = event[1]
         if final is None:
             raise ClusterError(grpc.StatusCode.UNKNOWN, "the stream ended without a result")
         return final
 
-    def submit(self, text=None, ids=None, chat=False, params=None, deadline_s=0.0) -> str:
+    def submit(
+        self, text=None, ids=None, chat=False, params=None, deadline_s=0.0, output_format=None
+    ) -> str:
         """Queue a job and return its id at once; the cluster keeps its result."""
-        req = request_from_params(params or GenerationParams(), text, ids, chat, deadline_s)
+        req = request_from_params(
+            params or GenerationParams(), text, ids, chat, deadline_s, output_format
+        )
         return self._call("Submit", req).job_id
 
     def get_job(self, job_id: str) -> pb.Job:

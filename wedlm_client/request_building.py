@@ -13,7 +13,9 @@ def request_from_params(
     ids: list[int] | None = None,
     chat: bool = False,
     deadline_s: float = 0.0,
+    output_format: pb.OutputFormat | None = None,
 ) -> pb.GenerateRequest:
+    """`output_format`: what the output must match (structured output); None: free text."""
     req = pb.GenerateRequest(
         chat=chat,
         mode=params.mode,
@@ -31,6 +33,10 @@ def request_from_params(
         sampler=params.sampler,
         steps=params.steps,
     )
+    if params.logprobs is not None:
+        req.logprobs = params.logprobs
+    if output_format is not None:
+        req.output_format.CopyFrom(output_format)
     if params.threshold is None:
         req.one_by_one = True
     else:

@@ -2,9 +2,10 @@
 against unconstrained decoding on one model, single-process engine, C concurrent streams.
 Prints one JSON object.
 
-Per C: wall time per committed token, unconstrained AR, constrained (AR: constrained
-requests decode one grammar-checked token per forward in every mode), and unconstrained
-WeDLM with its tokens per forward; and the mask's own host cost per token (llguidance's
+Per C: wall time per committed token, unconstrained and constrained AR, and (on a model
+with a mask token) unconstrained and constrained WeDLM with their tokens per forward
+(constrained WeDLM keeps its parallel commits: coordinator/engine/constrained.py); and
+the mask's own host cost per token (llguidance's
 bitmask fill and token consumption), replayed over the constrained outputs and over a
 schema-valid document in a large vocabulary (--mask-tokenizer: SmolLM2's 49,152 tokens).
 
@@ -109,12 +110,14 @@ def main() -> None:
         for kw in ({}, {"grammar": grammar}):
             run(local, c, args.tokens, mode="ar", **kw)
         if wedlm:
-            run(local, c, args.tokens, mode="wedlm")
+            for kw in ({}, {"grammar": grammar}):
+                run(local, c, args.tokens, mode="wedlm", **kw)
     results = []
     for c in args.concurrency:
         free = run(local, c, args.tokens, mode="ar")
         constrained = run(local, c, args.tokens, mode="ar", grammar=grammar)
         parallel = run(local, c, args.tokens, mode="wedlm") if wedlm else {}
+        held = run(local, c, args.tokens, mode="wedlm", grammar=grammar) if wedlm else {}
         overhead = constrained["ms_per_token"] / free["ms_per_token"] - 1
         results.append({
             "concurrency": c,
@@ -124,6 +127,8 @@ def main() -> None:
             "mask_host_ms_per_token": mask_cost(grammars, grammar, constrained["outputs"]),
             "wedlm_ms_per_token": parallel.get("ms_per_token"),  # None: no mask token
             "wedlm_tokens_per_forward": parallel.get("tokens_per_forward"),
+            "constrained_wedlm_ms_per_token": held.get("ms_per_token"),
+            "constrained_wedlm_tokens_per_forward": held.get("tokens_per_forward"),
             "constrained_tokens_per_forward": constrained["tokens_per_forward"],
         })  # fmt: skip
     print(json.dumps({"model": args.model, "vocab": grammars.vocab_size, "tokens": args.tokens,

@@ -165,7 +165,7 @@ def bare_forwards(parts, context: int, widths: list[int], repeats: int) -> dict:
         for kind, windows in kinds.items():
             build, wait = build_then_wait(
                 lambda: window_forward(parts, kv, ids(t), windows, heads),
-                repeats,  # noqa: B023
+                repeats,
             )
             serial = [b + w for b, w in zip(build, wait, strict=True)]
             out[f"{kind}/T{t}"] = {

@@ -7,11 +7,17 @@ tokens per int32, filled on the host) goes to the device, where it is expanded a
 the row's logits as -inf for forbidden tokens; the tokens committed after the forward are
 fed back to the matcher.
 
-Decoding mode: a constrained request decodes autoregressively (one grammar-checked token
-per forward) whatever mode it asks for. WeDLM and speculative forwards choose several
-tokens from one forward's logits, where every slot after the first would need the mask of
-a prefix not yet known; AR keeps the output exact at no risk. The answer's usage says
-mode "ar"."""
+Every decoding mode keeps its parallel commits, and the output always matches the grammar:
+- autoregressive: the one slot is chosen under the mask;
+- speculative: the drafts are known before the forward, so the choice after each draft
+  gets the mask of the state after the drafts before it (the matcher is advanced through
+  them and rolled back); a draft the grammar forbids can never equal the masked choice at
+  its slot, so verification cuts the run there, and the output is constrained AR's;
+- WeDLM: only the first slot after the committing run has a known prefix; it is chosen
+  under the mask. Later slots are filled from the raw logits, and before a window's
+  leading filled run commits it is checked token by token against the grammar and cut at
+  the first token it forbids, which becomes a mask again (chosen under the mask once it
+  is the first slot). Every forward whose first slot fills makes progress."""
 
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from common.errors import InvalidRequest
 from common.generation_params import GenerationParams
 from common.tokenizer import Tokenizer
 from coordinator.engine.row_plan import RowPlan
-from coordinator.engine.sequence import Sequence
+from coordinator.engine.sequence import Phase, Sequence
 
 
 class Grammars:
@@ -65,36 +71,104 @@ class Grammars:
 
 
 def sequential_params(params: GenerationParams) -> GenerationParams:
-    """A constrained or penalized request decodes autoregressively: its logits depend on
-    every token before the choice (module docstring; logit_bias.py)."""
-    if (params.grammar is None and not params.penalized) or params.mode == "ar":
+    """A penalized request decodes autoregressively: its logits depend on every token
+    before the choice (logit_bias.py). A constrained one keeps its mode (module docstring)."""
+    if not params.penalized or params.mode == "ar":
         return params
     return replace(params, mode="ar", draft="auto")
 
 
+def _slot_prefixes(plan: RowPlan) -> list[list[int]]:
+    """For head slots 0, 1, ... of a constrained row, the tokens between its committed
+    output (what its matcher has consumed) and the slot; nested, each one longer. Slots
+    past the list are not masked."""
+    seq = plan.seq
+    if seq.phase is not Phase.DECODE or plan.head_slots.size == 0:
+        return [[]]  # a prompt's last row chooses the first token
+    if seq.params.mode == "wedlm":  # slot 0 follows this forward's committing run
+        return [plan.commits]
+    if seq.params.mode == "speculative":  # choice j follows drafts 0..j-1
+        drafts = [int(t) for t in plan.tokens[plan.keep : plan.keep + plan.drafts]]
+        return [drafts[:j] for j in range(len(drafts) + 1)]
+    return [[]]
+
+
+def _fill_slots(seq: Sequence, prefixes: list[list[int]], table: np.ndarray, row: int) -> int:
+    """Fill table rows row, row + 1, ... with the masks of the slots whose prefix the
+    grammar allows (stopping at the first it forbids or a stop token: a slot after one is
+    never committed); the matcher is rolled back to where it was. Returns the count."""
+    matcher, stops = seq.matcher, seq.params.all_stop_ids
+    consumed = 0
+    for count, prefix in enumerate(prefixes):
+        extra = prefix[consumed:]
+        if any(t in stops for t in extra) or matcher.validate_tokens(extra) < len(extra):
+            break
+        if extra:
+            matcher.consume_tokens(extra)
+            consumed += len(extra)
+        llguidance.numpy.fill_next_token_bitmask(matcher, table, row + count)
+    else:
+        count = len(prefixes)
+    if consumed:
+        matcher.rollback(consumed)
+    return count
+
+
 def mask_logits(plans: list[RowPlan], logits: mx.array) -> mx.array:
-    """Logits [N, K, V] with every constrained row's forbidden tokens at -inf (its
-    matcher's state after everything committed so far)."""
-    rows = [i for i, p in enumerate(plans) if p.seq.matcher is not None]
+    """Logits [N, K, V] with the forbidden tokens of every constrained slot at -inf: the
+    first slot of each constrained row (its matcher's state after what commits before
+    it), and a speculative row's choice after each draft the grammar allows."""
+    rows = [(i, _slot_prefixes(p)) for i, p in enumerate(plans) if p.seq.matcher is not None]
+    rows = [(i, pre) for i, pre in rows if not plans[i].seq.matcher.is_error()]
     if not rows:
         return logits
-    n, _, v = logits.shape
-    bitmask = llguidance.numpy.allocate_token_bitmask(n, v)
-    bitmask[:] = -1  # rows without a grammar allow everything
-    for i in rows:
-        matcher = plans[i].seq.matcher
-        if not matcher.is_error():
-            llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, i)
-    words = mx.array(bitmask.view(np.uint32))
+    n, k, v = logits.shape
+    # table row 0 allows everything; index[i, j] names the table row of slot j of row i
+    table = llguidance.numpy.allocate_token_bitmask(1 + sum(len(pre) for _, pre in rows), v)
+    table[0] = -1
+    index = np.zeros((n, k), dtype=np.int32)
+    used = 1
+    for i, prefixes in rows:
+        count = _fill_slots(plans[i].seq, prefixes[:k], table, used)
+        index[i, :count] = np.arange(used, used + count)
+        used += count
+    words = mx.array(table[:used].view(np.uint32))
     bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
-    allowed = bits.reshape(n, -1)[:, :v].astype(mx.bool_)
-    return mx.where(allowed[:, None, :], logits, mx.array(-float("inf"), logits.dtype))
+    allowed = bits.reshape(used, -1)[:, :v].astype(mx.bool_)[mx.array(index)]
+    return mx.where(allowed, logits, mx.array(-float("inf"), logits.dtype))
 
 
 def advance(plans: list[RowPlan], before: list[int]) -> None:
-    """Feed each constrained sequence's newly committed tokens to its matcher."""
+    """After postprocess: feed each constrained sequence's newly committed tokens to its
+    matcher, then cut a WeDLM window's leading filled run (it commits with the next
+    forward) at the first token the grammar forbids: that slot becomes a mask again, to
+    be chosen under the mask."""
     for plan, start in zip(plans, before, strict=True):
         seq: Sequence = plan.seq
+        if seq.matcher is None or seq.finished:
+            continue
         new = seq.output[start:]
-        if seq.matcher is not None and new and not seq.finished:
+        if new:
             seq.matcher.consume_tokens(new)
+        if seq.params.mode == "wedlm" and seq.phase is Phase.DECODE:
+            run = seq.window_tokens[: seq.leading_filled()].tolist()
+            allowed = _allowed_run(seq.matcher, run, seq.params.extra_stop_ids)
+            if allowed < len(run):
+                seq.window_filled = seq.window_filled.copy()
+                seq.window_filled[allowed] = False
+
+
+def _allowed_run(matcher: llguidance.LLMatcher, run: list[int], eos: tuple[int, ...]) -> int:
+    """How many leading tokens of `run` the grammar allows after what the matcher has
+    consumed. An end-of-sequence token (the grammar's, the model's stop ids) is allowed
+    where the grammar may end (validate_tokens refuses it alone at a stopped state)."""
+    end = next((j for j, t in enumerate(run) if t in eos), len(run))
+    allowed = matcher.validate_tokens(run[:end])
+    if allowed < end or end == len(run):
+        return allowed
+    if end:
+        matcher.consume_tokens(run[:end])
+    accepting = matcher.is_accepting()
+    if end:
+        matcher.rollback(end)
+    return end + accepting

@@ -390,6 +390,8 @@ class Engine:
         plans = [flight.plans[i] for i in live]
         if not plans or not all(_wedlm_decoding(p) for p in plans):
             return False
+        if any(p.seq.matcher is not None for p in plans):
+            return False  # the host cuts a constrained window's run first (constrained.advance)
         if self.scheduler.joiners(flight.unit, plans) != []:
             return False  # arrivals or departures: the next regular launch takes everyone
         slot_owed = len(self.in_flight) + 1 >= self.micro_batches

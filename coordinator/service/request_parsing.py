@@ -35,6 +35,7 @@ def params_from_request(req: pb.GenerateRequest) -> GenerationParams:
         draft=req.draft or DEFAULTS.draft,
         sampler=req.sampler or DEFAULTS.sampler,
         steps=req.steps if req.HasField("steps") else DEFAULTS.steps,
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
     )
 
 

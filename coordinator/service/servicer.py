@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import grpc
 
@@ -24,13 +25,26 @@ from coordinator.service.admission import (
 )
 from coordinator.service.jobs import Job
 from coordinator.service.messages import Final, RequestResult, Tokens, merged
+from coordinator.service.output_format import grammar_from_request
 from coordinator.service.request_parsing import params_from_request, prompt_from_request
 from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 
 MAX_WAIT_S = 3600.0
 
 
-def final_message(result: RequestResult) -> pb.Final:
+def logprob_messages(logprobs: list | None) -> list[pb.TokenLogprob]:
+    """TokenLogprobs (coordinator/engine/token_logprobs.py) as wire messages."""
+    return [
+        pb.TokenLogprob(
+            id=e.token,
+            logprob=e.logprob,
+            top=[pb.TopLogprob(id=t, logprob=v) for t, v in e.top],
+        )
+        for e in logprobs or ()
+    ]
+
+
+def final_message(result: RequestResult, logprobs: list | None = None) -> pb.Final:
     stats = pb.GenerationStats(
         prompt_tokens=result.prompt_tokens,
         completion_tokens=len(result.tokens),
@@ -51,6 +65,7 @@ def final_message(result: RequestResult) -> pb.Final:
         stats=stats,
         error=result.error,
         error_kind=result.error_kind,
+        logprobs=logprob_messages(logprobs),
     )
 
 
@@ -62,7 +77,7 @@ def job_message(job: Job) -> pb.Job:
         created_at=job.created_at,
     )
     if job.result is not None:
-        msg.result.CopyFrom(final_message(job.result))
+        msg.result.CopyFrom(final_message(job.result, job.logprobs))
     return msg
 
 
@@ -101,6 +116,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             self.admission.ready_loop()
             try:
                 params = params_from_request(request)
+                grammar = grammar_from_request(request, self.engine.grammars)
+                params = replace(params, grammar=grammar) if grammar else params
                 positions = self.engine.config.max_position_embeddings
                 prompt = prompt_from_request(request, self.tokenizer, positions)
             except (InvalidRequest, CheckpointError) as e:
@@ -145,14 +162,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                             final = nxt
                     chunk = merged(item, more)
                     text = chunk.text or ""
-                    yield pb.GenerateEvent(tokens=pb.TokenChunk(ids=chunk.ids, text=text))
+                    tokens = pb.TokenChunk(
+                        ids=chunk.ids, text=text, logprobs=logprob_messages(chunk.logprobs)
+                    )
+                    yield pb.GenerateEvent(tokens=tokens)
                 case Final():
                     final = item
             if final is not None:
                 status = _FAILED_STATUS.get(final.result.error_kind)
                 if status is not None:
                     context.abort(status, final.result.error)
-                yield pb.GenerateEvent(final=final_message(final.result))
+                yield pb.GenerateEvent(final=final_message(final.result, job.logprobs))
                 return
 
     def Submit(self, request, context) -> pb.JobRef:

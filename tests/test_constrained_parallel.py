@@ -1,0 +1,114 @@
+"""Grammar-constrained decoding keeps the parallel modes' commits (constrained.py): the
+output matches the grammar in WeDLM and speculative mode, speculative output is
+constrained AR's token for token, a grammar that forbids nothing leaves WeDLM decoding
+unchanged, and a WeDLM-trained model still commits several tokens per forward."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import jsonschema
+import llguidance
+import pytest
+
+from common.generation_params import GenerationParams
+from coordinator.engine.local_engine import open_local_engine
+from coordinator.http_api.response_format import JSON_OPTIONS
+from tests.checkpoints import TOOL_CHAT_TEMPLATE
+from tests.conftest import shared_model
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "color"],
+    "additionalProperties": False,
+}
+WORDS = ["cat", "sky", "river", "piano", "seven", "orange", "cloud", "table", "quiet", "north"]
+
+
+@pytest.fixture(scope="module")
+def local(checkpoint_dir):
+    path = checkpoint_dir("wedlm_qwen2", seed=5, chat_template=TOOL_CHAT_TEMPLATE,
+                          max_position_embeddings=2048)  # fmt: skip
+    return open_local_engine(path, num_rows=8)
+
+
+def _run(local, prompts, **kw):
+    engine = local.engine
+    seqs = [engine.submit(p, GenerationParams(**kw)) for p in prompts]
+    for _ in engine.stream(seqs):
+        pass
+    return seqs
+
+
+def _json(local, seq):
+    text = re.sub(r"<\|[a-z_]+\|>$", "", local.tokenizer.decode(seq.output))
+    return json.loads(text)
+
+
+def _prompts(local, count, seed):
+    rng = random.Random(seed)
+    return [local.tokenizer.encode(" ".join(rng.choices(WORDS, k=4))) for _ in range(count)]
+
+
+GRAMMAR = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults=JSON_OPTIONS)
+
+
+@pytest.mark.parametrize("draft", ["mask", "lookup"])
+def test_constrained_speculative_is_constrained_ar(local, draft):
+    prompts = _prompts(local, 4, draft)
+    for temperature in (0.0, 1.0):  # sampled too: drafts are keyed by the output index
+        kw = {"max_tokens": 80, "grammar": GRAMMAR, "temperature": temperature, "seed": 3}
+        ar = _run(local, prompts, mode="ar", **kw)
+        spec = _run(local, prompts, mode="speculative", draft=draft, **kw)
+        for a, s in zip(ar, spec, strict=True):
+            assert s.output == a.output and s.finish_reason == "stop"
+            jsonschema.validate(_json(local, s), SCHEMA)
+
+
+def test_constrained_wedlm_output_validates(local):
+    prompts = _prompts(local, 8, "wedlm")
+    for temperature in (0.0, 1.0):
+        seqs = _run(local, prompts, mode="wedlm", grammar=GRAMMAR, max_tokens=120,
+                    temperature=temperature, seed=5)  # fmt: skip
+        for seq in seqs:
+            assert seq.params.mode == "wedlm" and seq.finish_reason == "stop"
+            jsonschema.validate(_json(local, seq), SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return open_local_engine(shared_model("wedlm-smollm2-135m-r2"))
+
+
+COUNTING = dict(max_tokens=48, mode="wedlm", temperature=0.0, threshold=0.6)
+
+
+def _counting(trained):
+    return trained.tokenizer.encode(", ".join(str(i) for i in range(1, 25)) + ",")
+
+
+def test_a_grammar_that_forbids_nothing_leaves_wedlm_unchanged(trained):
+    """The grammar of 'the free output, then anything': every slot the free decoding
+    chose is allowed, so the constrained run fills and commits the same tokens in the
+    same forwards."""
+    prompt = _counting(trained)
+    (free,) = _run(trained, [prompt], **COUNTING)
+    text = trained.tokenizer.decode(free.output)
+    grammar = llguidance.LLMatcher.grammar_from_regex(re.escape(text) + r"(?s:.*)")
+    (seq,) = _run(trained, [prompt], grammar=grammar, **COUNTING)
+    assert seq.output == free.output and seq.forwards == free.forwards
+
+
+def test_constrained_wedlm_commits_several_tokens_per_forward(trained):
+    """On the WeDLM-trained checkpoint, counting under a grammar of counting."""
+    grammar = llguidance.LLMatcher.grammar_from_regex(r" (\d+, )+\d+")
+    (seq,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
+    assert re.fullmatch(r" (\d+, )+\d*,? ?", trained.tokenizer.decode(seq.output))
+    assert len(seq.output) / seq.forwards > 2, (len(seq.output), seq.forwards)
