@@ -163,10 +163,10 @@ def bare_forwards(parts, context: int, widths: list[int], repeats: int) -> dict:
             kinds["wedlm"] = window_visibility(wedlm_filled(t))[None]
         heads = np.arange(t)[None] if t > 1 else None
         for kind, windows in kinds.items():
-            build, wait = build_then_wait(
-                lambda: window_forward(parts, kv, ids(t), windows, heads),
-                repeats,
-            )
+            def forward(t=t, windows=windows, heads=heads) -> mx.array:
+                return window_forward(parts, kv, ids(t), windows, heads)
+
+            build, wait = build_then_wait(forward, repeats)
             serial = [b + w for b, w in zip(build, wait, strict=True)]
             out[f"{kind}/T{t}"] = {
                 "serial_ms": round(1e3 * statistics.median(serial), 3),
