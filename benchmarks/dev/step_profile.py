@@ -163,6 +163,7 @@ def bare_forwards(parts, context: int, widths: list[int], repeats: int) -> dict:
             kinds["wedlm"] = window_visibility(wedlm_filled(t))[None]
         heads = np.arange(t)[None] if t > 1 else None
         for kind, windows in kinds.items():
+
             def forward(t=t, windows=windows, heads=heads) -> mx.array:
                 return window_forward(parts, kv, ids(t), windows, heads)
 
