@@ -420,6 +420,8 @@ class CoordinatorServer:
         if held is not None:
             dtype = compute_dtype(self.config)
             per_token = kv_bytes_per_token(self.config, dtype, len(held), self.opts.kv)
+            if self.local.group is not None:  # rank 0 of a group keeps its heads' share
+                per_token = self.local.group.member.ready["kv_bytes_per_token"]
             budgets.append(int(host_info.memory()[1] * headroom) // per_token)
         return min(budgets) if budgets else None
 
@@ -626,5 +628,7 @@ class CoordinatorServer:
         pipeline = self.engine.pipeline
         if isinstance(pipeline, StagePipeline):
             pipeline.close()
+        if self.local is not None and self.local.group is not None:
+            self.local.group.close()  # its group ends with a word to every member
         if self.jobs.store is not None:
             self.jobs.store.close()
