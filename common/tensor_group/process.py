@@ -144,7 +144,13 @@ class Member:
         if slots is not None:
             out = select_slots(out, slots)
         wire, raw = wire_form(out.astype(x.dtype))
-        data = np.array(raw)  # waits for the layers (and their all_sums)
+        # Every member says it finished: a member lost in the middle of a collective
+        # must not leave this rank with a partial sum that looks like a result.
+        finished = mx.distributed.all_sum(mx.ones((1,), dtype=mx.int32), group=self.group)
+        mx.eval(raw, finished)  # waits for the layers (and their all_sums)
+        if int(finished.item()) != self.spec.size:
+            raise RowsError("UNAVAILABLE", "a member of the tensor group did not finish")
+        data = np.array(raw)
         reply = {"ok": True, "hidden": [wire, list(data.shape), data.tobytes()]}
         return {**reply, "compute_s": time.perf_counter() - started, **self.kv_state()}
 

@@ -68,6 +68,7 @@ class StagePipeline:
         # sent when the engine next waits for a reply, so building the next graph and
         # the device computing this one overlap.
         self._unsent: deque[tuple[int, RowsSpec, np.ndarray | None, int, mx.array]] = deque()
+        self._failed: list[Exception] = []  # a local stage's failure, raised at collect
 
     @property
     def links(self) -> list:
@@ -91,7 +92,12 @@ class StagePipeline:
         if self.chain is not None and self.chain.broken is not None:
             raise self.chain.broken
         if self.local is not None:  # the engine built the spec itself: no validation
-            hidden = self.local.forward(spec, hidden, validate=False)
+            try:
+                hidden = self.local.forward(spec, hidden, validate=False)
+            except Exception as e:  # a tensor group's member lost: said when collected,
+                self._failed.append(e)  # as a worker's failure is, with nothing applied
+                self._done.append((batch_id, None))
+                return
         if self.chain is None:
             out = select_slots(hidden, reply_slots) if reply_slots is not None else hidden
             mx.async_eval(out)  # the device starts while the host plans the next one
@@ -107,6 +113,8 @@ class StagePipeline:
             self.chain.send(batch_id, spec, frame(wire, raw), reply_slots)
 
     def collect(self) -> tuple[int, mx.array]:
+        if self._failed:
+            raise self._failed[0]
         if self.chain is None:
             return self._done.popleft()
         self._send_launched()
