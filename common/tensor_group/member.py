@@ -7,7 +7,6 @@ coordinator answers by planning again without the lost member."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import queue
 import subprocess
@@ -34,7 +33,6 @@ from common.tensor_group.wire import (
 )
 from common.wire_frames import WireTensor
 
-log = logging.getLogger(__name__)
 JOIN_TIMEOUT_S = 30.0  # every member joining the group (a missing one: it did not form)
 LOAD_TIMEOUT_S = 900.0  # loading the layers after that (from disk)
 BOUND_S = float(os.environ.get("WEDLM_GROUP_BOUND_S", "20"))  # one forward, collectives in it
@@ -85,9 +83,6 @@ class GroupMember:
     @property
     def leader(self) -> bool:
         return self.spec.rank == 0
-
-    def alive(self) -> bool:
-        return self._proc.poll() is None
 
     def _read(self) -> None:
         try:

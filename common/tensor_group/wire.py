@@ -21,7 +21,7 @@ class PipeClosed(EOFError):
 
 
 def write_frame(out: BinaryIO, message: dict[str, Any]) -> None:
-    body = msgpack.packb(message, use_bin_type=True)
+    body = pack(message)
     out.write(_LEN.pack(len(body)) + body)
     out.flush()
 
