@@ -122,9 +122,16 @@ class LayerRunner:
             forked[sid] = length
         return forked
 
-    def forward(self, spec: RowsSpec, hidden: mx.array, validate: bool = True) -> mx.array:
+    def forward(
+        self,
+        spec: RowsSpec,
+        hidden: mx.array,
+        validate: bool = True,
+        reply_slots: np.ndarray | None = None,
+    ) -> mx.array:
         """`validate=False` only for specs this process built itself (the in-process
-        pipeline): a worker checks every request it receives."""
+        pipeline): a worker checks every request it receives. With `reply_slots` only
+        those slots of the output are returned (select_slots)."""
         if validate:
             self.check(spec, hidden.shape)
         for sid, source, length in spec.forks:
@@ -146,7 +153,7 @@ class LayerRunner:
             mx.synchronize()
             mx.clear_cache()
             self._rows_run = self._forwards_run = 0
-        return out
+        return select_slots(out, reply_slots) if reply_slots is not None else out
 
     def release(self, seq_ids: list[int]) -> None:
         self.store.release(seq_ids)

@@ -51,6 +51,13 @@ def encode_frame(array: mx.array) -> TensorFrame:
     return frame(*wire_form(array))
 
 
+def wire_dtype(wire: int) -> mx.Dtype:
+    """The MLX dtype of a wire dtype enum."""
+    if wire not in _FROM_WIRE:
+        raise TensorFormatError(f"unknown tensor dtype {wire}")
+    return _FROM_WIRE[wire][0]
+
+
 def decode(tensor: pb.Tensor | WireTensor) -> mx.array:
     if tensor.dtype not in _FROM_WIRE:
         raise TensorFormatError(f"unknown tensor dtype {tensor.dtype}")

@@ -48,9 +48,17 @@ class GroupFailed(WedlmError):
 
 
 class GroupMember:
-    def __init__(self, path: str, layer_range: LayerRange, kv: KVFormat, spec: GroupSpec) -> None:
-        """Start the group process and wait until the group has formed and loaded (raises
-        GroupFailed with the reason when it does not)."""
+    def __init__(
+        self,
+        path: str,
+        layer_range: LayerRange,
+        kv: KVFormat,
+        spec: GroupSpec,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """Start the group process (with `env`, else this process's environment) and wait
+        until the group has formed and loaded (raises GroupFailed with the reason when it
+        does not)."""
         self.spec = spec
         self.layer_range = layer_range
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -58,6 +66,7 @@ class GroupMember:
             [sys.executable, "-m", "common.tensor_group.process"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            env=env,
         )
         threading.Thread(target=self._read, name="group-replies", daemon=True).start()
         init = {
@@ -79,6 +88,7 @@ class GroupMember:
             )
         self.ready = ready
         self.kv_sequences = self.kv_bytes = 0
+        self.last_split: dict[str, float] = {}  # the last forward's times in the process
 
     @property
     def leader(self) -> bool:
@@ -136,6 +146,7 @@ class GroupMember:
         """The next launched forward's output (in launch order) and its compute seconds."""
         reply = self._checked(self._reply(BOUND_S, "a forward (a member is lost or frozen)"))
         dtype, shape, data = reply["hidden"]
+        self.last_split = reply.get("split", {})
         return WireTensor(dtype, tuple(shape), data), float(reply["compute_s"])
 
     def release(self, seq_ids: list[int]) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from common import model_parts
 from common.errors import WedlmError
 from common.kv_format import KVFormat
 from common.layer_range import LayerRange
@@ -33,7 +34,7 @@ from common.layer_runner import LayerRunner, RowsError, select_slots
 from common.layer_sizes import DTYPE_NAMES, kv_bytes_per_token, loaded_layer_bytes, parts_dtype
 from common.model_config import load_model_config
 from common.model_parts import load_model_parts
-from common.tensor_codec import decode, wire_form
+from common.tensor_codec import decode, wire_dtype, wire_form
 from common.tensor_group.spec import GroupSpec, shard_layers
 from common.tensor_group.wire import (
     PipeClosed,
@@ -48,6 +49,9 @@ from common.tensor_group.wire import (
 )
 
 SHARE_BLOCK = 16384  # bytes handed to every rank in one all_sum (a decode step's message)
+# Layers per launched chunk of a group's forward (common/model_parts.LAUNCH_EVERY); unset:
+# the same as in one process.
+LAUNCH_EVERY = os.environ.get("WEDLM_GROUP_LAUNCH_EVERY")
 
 
 def join(spec: GroupSpec) -> mx.distributed.Group:
@@ -137,7 +141,7 @@ class Member:
     def forward(self, message: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()
         spec = spec_of(message["spec"])
-        x = decode(tensor_of(message["hidden"]))
+        x = self.hidden(message["hidden"], message.get("in_graph", False))
         self.runner.check(spec, x.shape)
         out = self.runner.forward(spec, x.astype(self.dtype), validate=False)
         slots = slots_of(message["slots"])
@@ -147,31 +151,66 @@ class Member:
         # Every member says it finished: a member lost in the middle of a collective
         # must not leave this rank with a partial sum that looks like a result.
         finished = mx.distributed.all_sum(mx.ones((1,), dtype=mx.int32), group=self.group)
+        built = time.perf_counter()
         mx.eval(raw, finished)  # waits for the layers (and their all_sums)
+        evaluated = time.perf_counter()
         if int(finished.item()) != self.spec.size:
             raise RowsError("UNAVAILABLE", "a member of the tensor group did not finish")
         data = np.array(raw)
         reply = {"ok": True, "hidden": [wire, list(data.shape), data.tobytes()]}
-        return {**reply, "compute_s": time.perf_counter() - started, **self.kv_state()}
+        done = time.perf_counter()
+        # where the forward's time went (benchmarks/dev/tp_group_trace.py reads it)
+        split = {"build_s": built - started, "eval_s": evaluated - built,
+                 "readback_s": done - evaluated}  # fmt: skip
+        return {**reply, "compute_s": done - started, "split": split, **self.kv_state()}
+
+    def hidden(self, tensor: list, in_graph: bool) -> mx.array:
+        """The forward's input on this rank. A decode step's travels inside the shared
+        message; a longer one (a prompt chunk) comes from the leader with one all_sum in
+        the forward's graph (the others add zeros): on the device, no host copies."""
+        wire, shape, data = tensor
+        if not in_graph:
+            return decode(tensor_of(tensor))
+        if data is not None:  # the leader's own copy
+            x = decode(tensor_of(tensor))
+        else:
+            x = mx.zeros(tuple(shape), dtype=wire_dtype(wire))
+        return mx.distributed.all_sum(x, group=self.group)
 
     def kv_state(self) -> dict[str, int]:
         return {"kv_sequences": len(self.runner.store), "kv_bytes": self.runner.kv_bytes()}
 
     def serve(self, src, out) -> None:
         while True:
+            own = outgoing = None
             if self.leader:
                 try:
-                    body = read_body(src)
+                    outgoing = read_body(src)
                 except PipeClosed:
-                    body = pack({"op": "stop"})  # the worker is gone: end the group with it
-            else:
-                body = None
-            message = unpack(self.share(body))
+                    outgoing = pack({"op": "stop"})  # the worker is gone: end the group
+                if len(outgoing) > SHARE_BLOCK - 4:  # its hidden states go in the graph
+                    own = {**unpack(outgoing), "in_graph": True}
+                    outgoing = pack(_without_bytes(own))
+            started = time.perf_counter()
+            message = unpack(self.share(outgoing))
             if message["op"] == "stop":
                 return
+            message = own if own is not None else message
+            shared = time.perf_counter() - started
             reply = self.handle(message)
             if self.leader:
+                if "split" in reply:  # waiting for every rank to take the message
+                    reply["split"]["share_s"] = shared
                 write_frame(out, reply)
+
+
+def _without_bytes(message: dict[str, Any]) -> dict[str, Any]:
+    """A long message as the other ranks need it: the hidden states' dtype and shape, not
+    their bytes (they come to every rank inside the forward, Member.hidden)."""
+    if message.get("hidden") is None:
+        return message
+    wire, shape, _ = message["hidden"]
+    return {**message, "hidden": [wire, shape, None]}
 
 
 def _end_with_parent() -> None:
@@ -189,6 +228,8 @@ def _end_with_parent() -> None:
 
 def main() -> int:
     _end_with_parent()
+    if LAUNCH_EVERY is not None:
+        model_parts.LAUNCH_EVERY = int(LAUNCH_EVERY)
     src, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames on the pipe
     try:

@@ -26,12 +26,19 @@ class GroupStage:
     def layer_range(self) -> LayerRange:
         return self.member.layer_range
 
-    def forward(self, spec: RowsSpec, hidden: mx.array, validate: bool = False) -> mx.array:
+    def forward(
+        self,
+        spec: RowsSpec,
+        hidden: mx.array,
+        validate: bool = False,
+        reply_slots: np.ndarray | None = None,
+    ) -> mx.array:
         """The group's output for `hidden` (raises GroupFailed when a member is lost: the
-        engine then plans again, as for a lost worker)."""
+        engine then plans again, as for a lost worker); with `reply_slots`, only those
+        slots come back (a prompt chunk's last row, not the whole chunk)."""
         wire, raw = wire_form(hidden)
         host = np.array(raw)  # the embedding (and nothing else) evaluated here
-        self.member.launch(spec, WireTensor(wire, host.shape, host.tobytes()), None)
+        self.member.launch(spec, WireTensor(wire, host.shape, host.tobytes()), reply_slots)
         out, _ = self.member.finish()
         return decode(out)
 

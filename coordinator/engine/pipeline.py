@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.kv_format import FULL, KVFormat
-from common.layer_runner import LayerRunner, select_slots
+from common.layer_runner import LayerRunner
 from common.model_parts import ModelParts
 from common.rows_spec import RowsSpec
 from common.tensor_codec import frame, wire_form
@@ -92,14 +92,17 @@ class StagePipeline:
         if self.chain is not None and self.chain.broken is not None:
             raise self.chain.broken
         if self.local is not None:  # the engine built the spec itself: no validation
+            # the last stage keeps only the slots the head needs (a tensor group then
+            # sends back only those)
+            last = reply_slots if self.chain is None else None
             try:
-                hidden = self.local.forward(spec, hidden, validate=False)
+                hidden = self.local.forward(spec, hidden, validate=False, reply_slots=last)
             except Exception as e:  # a tensor group's member lost: said when collected,
                 self._failed.append(e)  # as a worker's failure is, with nothing applied
                 self._done.append((batch_id, None))
                 return
         if self.chain is None:
-            out = select_slots(hidden, reply_slots) if reply_slots is not None else hidden
+            out = hidden
             mx.async_eval(out)  # the device starts while the host plans the next one
             self._done.append((batch_id, out))
             return
