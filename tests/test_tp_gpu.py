@@ -110,3 +110,27 @@ def test_flags_are_checked(tmp_path: Path) -> None:
             parse_args(bad)
     args = parse_args(["servers", "--model", "random-qwen3-32b", "--ours", "tp2"])
     assert args.servers == ["ours", "mlx-lm"] and args.concurrency == [1, 32]
+
+
+@pytest.mark.e2e
+def test_group_trace_over_ring(tmp_path: Path, capsys) -> None:
+    """benchmarks/dev/tp_group_trace.py: two real group processes (ring on 127.0.0.1)
+    against the same layers in one process, with the leader's split of each forward."""
+    from benchmarks.dev import tp_group_trace
+
+    model = _tiny_checkpoint(tmp_path / "tiny")
+    out = tmp_path / "out"
+    assert tp_group_trace.main(["--model", str(model), "--rows", "1", "2", "--steps", "3",
+                                "--warmup", "1", "--context", "8", "--prefill", "16",
+                                "--head", "64", "--out", str(out)]) == 0  # fmt: skip
+    result = json.loads((out / "tp_group_trace.json").read_text())
+    assert result["group"]["backend"] == "ring"
+    for key in ("B=1", "B=2"):
+        group = result["group"][key]
+        assert group["round_trip_ms"] > 0 and group["eval_ms"] > 0 and group["head_ms"] > 0
+        assert group["pipe_ms"] >= 0  # each forward's split lies within its round trip
+        assert result["one"][key]["step_ms"] > 0 and result["group_vs_one"][key] > 0
+    assert result["group"]["prefill_ms"] > 0 and result["prefill_one_vs_group"] > 0
+    assert set(result["group"]["prefill_split_ms"]) == {"share_ms", "build_ms", "eval_ms",
+                                                        "readback_ms"}  # fmt: skip
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
