@@ -220,7 +220,7 @@ def test_jaccl_is_passed_over_without_a_mesh(config):
 @pytest.mark.parametrize(
     ("rdma", "problem"),
     [
-        ([], "needs an 2 x 2 RDMA device matrix"),
+        ([], "needs an RDMA device matrix of 2 x 2"),
         ([["", "rdma_en2"], ["", ""]], "rank 1 has no RDMA device to rank 0"),
         ([["rdma_en2", "rdma_en3"], ["rdma_en2", ""]], "rank 0 names an RDMA device to itself"),
     ],
@@ -264,3 +264,10 @@ def test_a_linux_worker_reports_no_rdma_and_refuses_jaccl(checkpoint_dir):
     finally:
         link.close()
         worker.stop()
+
+
+def test_a_matrix_of_the_wrong_count_is_refused():
+    rows = rdma_rows(["", "rdma_en2", "rdma_en3"], 2)  # 3 cells for a group of 2
+    with pytest.raises(ValueError, match="needs an RDMA device matrix of 2 x 2"):
+        GroupSpec(0, 2, ["a:1", "b:2"], "jaccl", 1, rows).check()
+    assert rdma_rows([], 1 << 31) == []  # a huge fuzzed size costs nothing

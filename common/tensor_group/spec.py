@@ -48,7 +48,7 @@ class GroupSpec:
     def _check_rdma(self) -> None:
         if len(self.rdma) != self.size or any(len(row) != self.size for row in self.rdma):
             n = self.size
-            raise ValueError(f"a jaccl group of {n} needs an {n} x {n} RDMA device matrix")
+            raise ValueError(f"a jaccl group of {n} needs an RDMA device matrix of {n} x {n}")
         for i, row in enumerate(self.rdma):
             for j, cell in enumerate(row):
                 if i == j and cell:
@@ -62,8 +62,11 @@ class GroupSpec:
 
 
 def rdma_rows(flat: list[str], size: int) -> list[list[str]]:
-    """TensorGroup.rdma_devices back into rows (empty stays empty: not a jaccl group)."""
-    return [list(flat[i * size : (i + 1) * size]) for i in range(size)] if flat else []
+    """TensorGroup.rdma_devices back into rows (empty stays empty: not a jaccl group; a
+    count that is not size x size stays one row, which `check` refuses)."""
+    if len(flat) != size * size:
+        return [list(flat)] if flat else []
+    return [list(flat[i * size : (i + 1) * size]) for i in range(size)]
 
 
 def available_backends(rdma_ports: list | None = None) -> list[str]:

@@ -68,6 +68,7 @@ class StagePlanner:
         self.assembly: Assembly | None = None
         self.epoch = 0
         self._lock = threading.Lock()
+        self._rdma: tuple | None = None  # its RDMA ports, read once (system_profiler is slow)
 
     def candidates(self) -> list[DiscoveredWorker]:
         """Listed workers first (in their order), then those found over Bonjour."""
@@ -80,10 +81,11 @@ class StagePlanner:
         if self.settings.tp <= 1:
             return LocalMember(self.local.available_bytes(), self.local.fixed)
         # a candidate for rank 0 of the first tensor group, on a port free now
-        rdma = tuple(rdma_ports())
-        backends = tuple(available_backends(list(rdma)))
+        if self._rdma is None:
+            self._rdma = tuple(rdma_ports())
+        backends = tuple(available_backends(list(self._rdma)))
         return LocalMember(
-            self.local.available_bytes(), self.local.fixed, free_port(""), backends, rdma
+            self.local.available_bytes(), self.local.fixed, free_port(""), backends, self._rdma
         )
 
     def _start_local(self, layer_range: LayerRange, spec: GroupSpec) -> GroupMember:
