@@ -19,6 +19,7 @@ from common.grpc_services import add_service
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
+from common.tensor_group.rdma import rdma_ports
 from common.tensor_group.spec import available_backends
 from common.tls import TlsConfig, bind
 from common.wire_frames import framed_parser
@@ -121,6 +122,7 @@ class WorkerServer:
             if fetching
             else None
         )
+        rdma = rdma_ports()  # Thunderbolt cables with RDMA (none off macOS): jaccl groups
         self.servicer = WorkerServicer(
             identity,
             self.layers,
@@ -129,7 +131,8 @@ class WorkerServer:
             on_layers_changed=self._layers_changed,
             fetcher=fetcher,
             on_model_changed=self._model_changed,
-            group_backends=self.mlx.call(available_backends),
+            group_backends=self.mlx.call(lambda: available_backends(rdma)),
+            rdma_ports=rdma,
             group_host=options.host if options.host not in ("0.0.0.0", "::") else "",
         )
         framed = framed_parser(pb.ForwardRequest, "hidden")  # hidden states stay unparsed

@@ -11,7 +11,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import CancelledError
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import NoReturn
 
 import grpc
@@ -29,7 +29,8 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tensor_codec import TensorFormatError
 from common.tensor_group.member import GroupFailed
-from common.tensor_group.spec import GroupSpec, shard_problem
+from common.tensor_group.rdma import RdmaPort
+from common.tensor_group.spec import GroupSpec, rdma_rows, shard_problem
 from common.wire_frames import Framed
 from shard_worker.forward_request import hidden_of, reply_slots, rows_spec
 from shard_worker.held_layers import HeldLayers
@@ -96,6 +97,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         on_model_changed: Callable[[ModelConfig], None] = lambda _: None,
         group_backends: list[str] | None = None,
         group_host: str = "127.0.0.1",
+        rdma_ports: list[RdmaPort] | None = None,
     ) -> None:
         self.route = route
         self.identity = identity
@@ -107,6 +109,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.on_model_changed = on_model_changed  # call checks, relays, Bonjour TXT
         self._fetching = threading.Lock()  # one fetch at a time: they share .part files
         self.group_backends = group_backends  # what tensor groups it can join
+        self.rdma_ports = rdma_ports or []  # its Thunderbolt cables, for jaccl groups
         self.group_host = group_host
         self.group_port = free_port(group_host)  # where its next group process listens
 
@@ -295,7 +298,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if not request.HasField("group"):
             return None
         g = request.group
-        spec = GroupSpec(g.rank, g.size, list(g.hosts), g.backend, g.epoch)
+        rdma = rdma_rows(list(g.rdma_devices), g.size)
+        spec = GroupSpec(g.rank, g.size, list(g.hosts), g.backend, g.epoch, rdma)
         try:
             spec.check()
         except ValueError as e:
@@ -386,6 +390,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             group_size=state.group.size if state.group else 0,
             group_backend=state.group.backend if state.group else "",
             group_error=state.group_error,
+            rdma_ports=[pb.RdmaPort(**asdict(p)) for p in self.rdma_ports],
         )
 
     @staticmethod

@@ -27,7 +27,7 @@ from common.call_auth import AUTH_KEY, MODEL_KEY, PROTOCOL_KEY, PROTOCOL_VERSION
 from common.model_config import load_model_config
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
-from common.tensor_group.spec import GroupSpec
+from common.tensor_group.spec import GroupSpec, rdma_rows
 from tests import fuzz_messages as fm
 from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker
 
@@ -555,7 +555,8 @@ def assign_expected(request: pb.AssignRequest) -> S | None:
 
 def group_spec(request: pb.AssignRequest) -> GroupSpec:
     g = request.group
-    return GroupSpec(g.rank, g.size, list(g.hosts), g.backend, g.epoch)
+    rdma = rdma_rows(list(g.rdma_devices), g.size)
+    return GroupSpec(g.rank, g.size, list(g.hosts), g.backend, g.epoch, rdma)
 
 
 def well_formed_group(request: pb.AssignRequest) -> bool:

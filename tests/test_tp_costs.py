@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from benchmarks.dev.tp_costs import collectives_phase, parse_args
+from benchmarks.dev.tp_costs import collectives_phase, handoff_phase, parse_args
 from benchmarks.dev.tp_shapes import SHAPES, project
 
 
@@ -40,3 +40,18 @@ def test_flags_are_checked() -> None:
         parse_args(["--repeats", "0"])
     with pytest.raises(SystemExit):
         parse_args(["--shard-hidden", "200"])
+
+
+def test_handoff_moves_a_hidden_state_both_ways() -> None:
+    """ring send/recv between two processes and the gRPC relay hop to a real server process
+    carry the same bf16 hidden state; both figures are one-way times."""
+    args = parse_args(["--phases", "handoff", "--repeats", "3",
+                       "--handoff-messages", "decode 1 x 4096"])  # fmt: skip
+    res = handoff_phase(args)
+    (row,) = res["rows"]
+    assert row["message"] == "decode 1 x 4096" and row["bytes"] == 4096 * 2
+    assert 0 < row["ring_ms"] < 1000 and 0 < row["grpc_ms"] < 1000
+    assert row["intact"]  # both ways, the array that came back is the one sent
+    assert row["faster"] == ("ring send/recv" if row["ring_ms"] < row["grpc_ms"] else "gRPC relay")
+    with pytest.raises(SystemExit):
+        parse_args(["--handoff-messages", "decode 1 x 3"])

@@ -7,10 +7,13 @@ tp_costs.json + tp_costs.png to --out.
   python benchmarks/dev/tp_costs.py                                 # every phase, defaults
   python benchmarks/dev/tp_costs.py --phases collectives --repeats 50
   python benchmarks/dev/tp_costs.py --phases half_width --layers 2  # on a GPU: the real shapes
+  python benchmarks/dev/tp_costs.py --phases handoff --repeats 200  # ring send/recv vs gRPC
 
 Phases `collectives` and `shard` start 2 real processes of this script joined by `ring` over
 127.0.0.1 (the hostfile is the one `mlx.launch --backend ring` writes: one list of
-"ip:port" per rank; MLX_RANK and MLX_HOSTFILE in the environment).
+"ip:port" per rank; MLX_RANK and MLX_HOSTFILE in the environment). Phase `handoff`
+(benchmarks/dev/tp_handoff.py) moves a hidden state between two processes over ring's
+send/recv and over our gRPC relay hop.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: benchmarks/
 
+from benchmarks.dev import tp_handoff
 from benchmarks.dev.bench_io import finish, median_ms, now, pyplot, run_info
 from benchmarks.dev.tp_shapes import (
     DTYPES,
@@ -36,7 +40,7 @@ from benchmarks.dev.tp_shapes import (
     small_qwen3_args,
 )
 
-PHASES = ("collectives", "shard", "half_width", "project")
+PHASES = ("collectives", "shard", "half_width", "project", "handoff")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -88,7 +92,9 @@ def _rank_main(task: str, params: dict[str, Any]) -> None:
     import mlx.core as mx
 
     group = mx.distributed.init(backend="ring", strict=True)
-    result = {"collectives": rank_collectives, "shard": _rank_shard}[task](group, params)
+    tasks = {"collectives": rank_collectives, "shard": _rank_shard,
+             "handoff": tp_handoff.rank_handoff}  # fmt: skip
+    result = tasks[task](group, params)
     if group.rank() == 0:
         print(json.dumps(result), flush=True)
 
@@ -218,6 +224,15 @@ def shard_phase(args: argparse.Namespace) -> dict[str, Any]:
                     "contention, and the whole model's time is one process alone"}  # fmt: skip
 
 
+# ---------------------------------------------------------------- phase: handoff
+
+
+def handoff_phase(args: argparse.Namespace) -> dict[str, Any]:
+    p = {"repeats": args.repeats, "warmup": 10, "messages": args.handoff_messages}
+    ring = run_ring("handoff", p)  # the ranks start before the gRPC pair: no overlap
+    return tp_handoff.compare(ring, tp_handoff.grpc_handoff(p))
+
+
 # ---------------------------------------------------------------- phase: half_width
 
 
@@ -300,6 +315,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bandwidth-gbs", type=float, default=819.0, help="projection: per Mac")
     ap.add_argument("--hop-ms", type=float, default=0.4,
                     help="projection: one pipeline hop of a decode token (assumed)")  # fmt: skip
+    ap.add_argument("--handoff-messages", nargs="+", default=list(tp_handoff.MESSAGES),
+                    choices=tp_handoff.MESSAGES, metavar="MESSAGE",
+                    help="handoff: which hidden states (default: all)")  # fmt: skip
     ap.add_argument("--rank-task", help=argparse.SUPPRESS)
     ap.add_argument("--rank-params", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -346,10 +364,12 @@ def main(argv: list[str] | None = None) -> None:
             result[phase] = shard_phase(args)
         elif phase == "half_width":
             result[phase] = half_width_phase(args)
+        elif phase == "handoff":
+            result[phase] = handoff_phase(args)
         else:
             result[phase] = project(args.bandwidth_gbs, args.hop_ms, result.get("collectives"))
         print(f"{phase}: {now() - t0:.1f} s", file=sys.stderr)
-    finish(result, args.out, "tp_costs", {"tp_costs.png": plot})
+    finish(result, args.out, "tp_costs", {"tp_costs.png": plot, "tp_handoff.png": tp_handoff.plot})
 
 
 if __name__ == "__main__":

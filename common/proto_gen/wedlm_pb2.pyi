@@ -148,25 +148,37 @@ class AssignRequest(_message.Message):
     def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., model_source: _Optional[str] = ..., fetch_only: _Optional[bool] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., group: _Optional[_Union[TensorGroup, _Mapping]] = ...) -> None: ...
 
 class TensorGroup(_message.Message):
-    __slots__ = ("rank", "size", "hosts", "backend", "epoch")
+    __slots__ = ("rank", "size", "hosts", "backend", "epoch", "rdma_devices")
     RANK_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RDMA_DEVICES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     size: int
     hosts: _containers.RepeatedScalarFieldContainer[str]
     backend: str
     epoch: int
-    def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., hosts: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    rdma_devices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., size: _Optional[int] = ..., hosts: _Optional[_Iterable[str]] = ..., backend: _Optional[str] = ..., epoch: _Optional[int] = ..., rdma_devices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RdmaPort(_message.Message):
+    __slots__ = ("device", "domain_uuid", "peer_uuid")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_UUID_FIELD_NUMBER: _ClassVar[int]
+    PEER_UUID_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    domain_uuid: str
+    peer_uuid: str
+    def __init__(self, device: _Optional[str] = ..., domain_uuid: _Optional[str] = ..., peer_uuid: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype", "plan_epoch", "next_stage", "fetches_layers", "cache_bytes", "kv_bits", "kv_group_size", "group_port", "group_backends", "group_rank", "group_size", "group_backend", "group_error")
+    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype", "plan_epoch", "next_stage", "fetches_layers", "cache_bytes", "kv_bits", "kv_group_size", "group_port", "group_backends", "group_rank", "group_size", "group_backend", "group_error", "rdma_ports")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +209,7 @@ class WorkerInfo(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     GROUP_BACKEND_FIELD_NUMBER: _ClassVar[int]
     GROUP_ERROR_FIELD_NUMBER: _ClassVar[int]
+    RDMA_PORTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     protocol_version: int
@@ -227,7 +240,8 @@ class WorkerInfo(_message.Message):
     group_size: int
     group_backend: str
     group_error: str
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ..., fetches_layers: _Optional[bool] = ..., cache_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., group_port: _Optional[int] = ..., group_backends: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., group_backend: _Optional[str] = ..., group_error: _Optional[str] = ...) -> None: ...
+    rdma_ports: _containers.RepeatedCompositeFieldContainer[RdmaPort]
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ..., fetches_layers: _Optional[bool] = ..., cache_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., group_port: _Optional[int] = ..., group_backends: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., group_backend: _Optional[str] = ..., group_error: _Optional[str] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ...) -> None: ...
 
 class LayerManifestRequest(_message.Message):
     __slots__ = ("layers", "with_sha256", "node_id", "fetch_bytes", "received_bytes")

@@ -54,18 +54,39 @@ SHARE_BLOCK = 16384  # bytes handed to every rank in one all_sum (a decode step'
 LAUNCH_EVERY = os.environ.get("WEDLM_GROUP_LAUNCH_EVERY")
 
 
-def join(spec: GroupSpec) -> mx.distributed.Group:
-    """Form the group (blocks until every member has joined). The environment is what
-    `mlx.launch` sets for each backend."""
-    os.environ["MLX_RANK"] = str(spec.rank)
-    os.environ["MLX_WORLD_SIZE"] = str(spec.size)
+def _group_file(name: str, content: Any) -> Path:
+    path = Path(tempfile.mkdtemp(prefix="wedlm-group-")) / name
+    path.write_text(json.dumps(content))
+    return path
+
+
+def ibv_devices(rdma: list[list[str]]) -> list[list[Any]]:
+    """The matrix as MLX_IBV_DEVICES's file holds it: null for no device (the diagonal),
+    a name for one cable, a list of names for several."""
+    return [
+        [None if not cell else cell.split(",") if "," in cell else cell for cell in row]
+        for row in rdma
+    ]
+
+
+def group_env(spec: GroupSpec) -> dict[str, str]:
+    """The environment `mlx.launch` sets for a rank of this backend (the files it names
+    are written here)."""
+    env = {"MLX_RANK": str(spec.rank), "MLX_WORLD_SIZE": str(spec.size)}
     if spec.backend == "nccl":
         host, _, port = spec.hosts[0].rpartition(":")
-        os.environ["NCCL_HOST_IP"], os.environ["NCCL_PORT"] = host, port
-    else:  # ring and jaccl read a hostfile: one list of addresses per rank
-        hostfile = Path(tempfile.mkdtemp(prefix="wedlm-group-")) / "hosts.json"
-        hostfile.write_text(json.dumps([[h] for h in spec.hosts]))
-        os.environ["MLX_HOSTFILE"] = str(hostfile)
+        env["NCCL_HOST_IP"], env["NCCL_PORT"] = host, port
+    elif spec.backend == "jaccl":  # the leader's address, and the devices' matrix file
+        env["MLX_JACCL_COORDINATOR"] = spec.hosts[0]
+        env["MLX_IBV_DEVICES"] = str(_group_file("devices.json", ibv_devices(spec.rdma)))
+    else:  # ring reads a hostfile: one list of addresses per rank
+        env["MLX_HOSTFILE"] = str(_group_file("hosts.json", [[h] for h in spec.hosts]))
+    return env
+
+
+def join(spec: GroupSpec) -> mx.distributed.Group:
+    """Form the group (blocks until every member has joined)."""
+    os.environ.update(group_env(spec))
     group = mx.distributed.init(strict=True, backend=spec.backend)
     if group.size() != spec.size:
         raise WedlmError(f"the group formed with {group.size()} members, not {spec.size}")

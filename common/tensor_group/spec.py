@@ -25,6 +25,9 @@ class GroupSpec:
     hosts: list[str] = field(default_factory=list)
     backend: str = "ring"
     epoch: int = 0
+    # jaccl: rdma[i][j] is the RDMA device rank i reaches rank j by ("" on the diagonal;
+    # several cables as "rdma_en2,rdma_en3"), MLX's MLX_IBV_DEVICES matrix
+    rdma: list[list[str]] = field(default_factory=list)
 
     def check(self) -> None:
         if self.size < 2:
@@ -39,14 +42,40 @@ class GroupSpec:
             name, _, port = host.rpartition(":")
             if not name or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"group host {host!r} is not HOST:PORT")
+        if self.backend == "jaccl":
+            self._check_rdma()
+
+    def _check_rdma(self) -> None:
+        if len(self.rdma) != self.size or any(len(row) != self.size for row in self.rdma):
+            n = self.size
+            raise ValueError(f"a jaccl group of {n} needs an RDMA device matrix of {n} x {n}")
+        for i, row in enumerate(self.rdma):
+            for j, cell in enumerate(row):
+                if i == j and cell:
+                    raise ValueError(f"rank {i} names an RDMA device to itself ({cell})")
+                if i != j and not cell:
+                    raise ValueError(f"rank {i} has no RDMA device to rank {j}")
+
+    def flat_rdma(self) -> list[str]:
+        """The matrix row by row, as TensorGroup.rdma_devices carries it."""
+        return [cell for row in self.rdma for cell in row]
 
 
-def available_backends() -> list[str]:
-    """The backends this process's MLX was built with (ring runs anywhere; jaccl needs
-    RDMA over Thunderbolt 5, macOS 26.2+; nccl needs CUDA)."""
+def rdma_rows(flat: list[str], size: int) -> list[list[str]]:
+    """TensorGroup.rdma_devices back into rows (empty stays empty: not a jaccl group; a
+    count that is not size x size stays one row, which `check` refuses)."""
+    if len(flat) != size * size:
+        return [list(flat)] if flat else []
+    return [list(flat[i * size : (i + 1) * size]) for i in range(size)]
+
+
+def available_backends(rdma_ports: list | None = None) -> list[str]:
+    """The backends this process can join: built into its MLX (ring runs anywhere; nccl
+    needs CUDA), and jaccl only with RDMA ports to reach a peer by (`rdma_ports`, from
+    common/tensor_group/rdma.py; none on Linux)."""
     import mlx.core as mx
 
-    return [b for b in BACKENDS if mx.distributed.is_available(b)]
+    return [b for b in BACKENDS if mx.distributed.is_available(b) and (b != "jaccl" or rdma_ports)]
 
 
 def _model_class(config: ModelConfig):

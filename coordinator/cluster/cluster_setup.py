@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from common.checkpoint_weights import layer_nbytes
 from common.errors import WedlmError
@@ -103,6 +103,7 @@ class LocalMember:
     fixed: LayerRange | None = None  # --layers
     group_port: int = 0  # where its group process would listen (0: it joins no group)
     group_backends: tuple[str, ...] = ()
+    rdma_ports: tuple = ()  # RdmaPort: its Thunderbolt cables (jaccl)
 
 
 def local_entry(local: LocalMember) -> WorkerEntry:
@@ -112,6 +113,7 @@ def local_entry(local: LocalMember) -> WorkerEntry:
         fixed_range=local.fixed is not None,
         group_port=local.group_port,
         group_backends=local.group_backends,
+        rdma_ports=[pb.RdmaPort(**asdict(p)) for p in local.rdma_ports],
     )
     return WorkerEntry(LOCAL, "local", "serving", info=info)
 

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 
 from common.model_config import ModelConfig
 from common.tensor_group.spec import GroupSpec, shard_problem
+from coordinator.cluster.rdma_mesh import device_matrix
 
 log = logging.getLogger(__name__)
-# The backends a group is formed over, in order of preference. jaccl (RDMA over
-# Thunderbolt 5) needs a hostfile of RDMA devices that workers do not report yet.
-GROUP_BACKENDS = ("nccl", "ring")
+# The backends a group is formed over, in order of preference: jaccl (RDMA over
+# Thunderbolt 5) when every pair of members is cabled, then nccl (CUDA), then ring (TCP).
+GROUP_BACKENDS = ("jaccl", "nccl", "ring")
 
 
 @dataclass
@@ -25,6 +26,7 @@ class Group:
     backend: str
     failed: str = ""  # why it did not form (then its members are planned alone)
     hosts: list[str] = field(default_factory=list)
+    rdma: list[list[str]] = field(default_factory=list)  # jaccl: the device matrix
 
     @property
     def leader(self):
@@ -35,7 +37,7 @@ class Group:
         return [m.address for m in self.members]
 
     def spec(self, rank: int, epoch: int) -> GroupSpec:
-        return GroupSpec(rank, len(self.members), self.hosts, self.backend, epoch)
+        return GroupSpec(rank, len(self.members), self.hosts, self.backend, epoch, self.rdma)
 
     def describe(self) -> str:
         return f"{' + '.join(self.addresses)} (tp={len(self.members)}, {self.backend})"
@@ -64,11 +66,19 @@ def _hosts(members: list) -> list[str]:
     return out
 
 
-def _backend(members: list) -> str | None:
+def _backend(members: list) -> tuple[str | None, list[list[str]]]:
+    """The first backend every member has, and for jaccl its device matrix (jaccl is
+    passed over when some pair of members is not cabled)."""
     for backend in GROUP_BACKENDS:
-        if all(backend in m.info.group_backends for m in members):
-            return backend
-    return None
+        if not all(backend in m.info.group_backends for m in members):
+            continue
+        if backend != "jaccl":
+            return backend, []
+        matrix = device_matrix([list(m.info.rdma_ports) for m in members])
+        if matrix is not None:
+            return backend, matrix
+        log.info("jaccl passed over: not every pair of %s is cabled", [m.address for m in members])
+    return None, []
 
 
 def form_groups(entries: list, config: ModelConfig, tp: int, local=None) -> tuple[list[Group], str]:
@@ -92,11 +102,11 @@ def form_groups(entries: list, config: ModelConfig, tp: int, local=None) -> tupl
     alone: list[str] = []
     while len(free) >= tp:
         members, free = free[:tp], free[tp:]
-        backend = _backend(members)
+        backend, rdma = _backend(members)
         if backend is None:
             alone += [m.address for m in members]
             continue
-        groups.append(Group(members, backend, hosts=_hosts(members)))
+        groups.append(Group(members, backend, hosts=_hosts(members), rdma=rdma))
     alone += [e.address for e in free]
     notes = [f"tensor group {g.describe()}" for g in groups]
     if alone:

@@ -122,6 +122,7 @@ class WorkerLink:
                     hosts=group.hosts,
                     backend=group.backend,
                     epoch=group.epoch,
+                    rdma_devices=group.flat_rdma(),
                 )
             )
         return self._unary("Assign", request, timeout)

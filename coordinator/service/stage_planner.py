@@ -16,6 +16,7 @@ from common.kv_format import FULL, KVFormat
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.tensor_group.member import GroupMember
+from common.tensor_group.rdma import rdma_ports
 from common.tensor_group.spec import GroupSpec, available_backends
 from coordinator.cluster.cluster_setup import (
     LOCAL,
@@ -67,6 +68,7 @@ class StagePlanner:
         self.assembly: Assembly | None = None
         self.epoch = 0
         self._lock = threading.Lock()
+        self._rdma: tuple | None = None  # its RDMA ports, read once (system_profiler is slow)
 
     def candidates(self) -> list[DiscoveredWorker]:
         """Listed workers first (in their order), then those found over Bonjour."""
@@ -79,8 +81,12 @@ class StagePlanner:
         if self.settings.tp <= 1:
             return LocalMember(self.local.available_bytes(), self.local.fixed)
         # a candidate for rank 0 of the first tensor group, on a port free now
-        backends = tuple(available_backends())
-        return LocalMember(self.local.available_bytes(), self.local.fixed, free_port(""), backends)
+        if self._rdma is None:
+            self._rdma = tuple(rdma_ports())
+        backends = tuple(available_backends(list(self._rdma)))
+        return LocalMember(
+            self.local.available_bytes(), self.local.fixed, free_port(""), backends, self._rdma
+        )
 
     def _start_local(self, layer_range: LayerRange, spec: GroupSpec) -> GroupMember:
         """The coordinator's group process for rank 0 of `spec` over `layer_range` (raises
