@@ -12,6 +12,7 @@ import queue
 import subprocess
 import sys
 import threading
+from collections import deque
 from dataclasses import asdict
 from typing import Any
 
@@ -36,6 +37,11 @@ from common.wire_frames import WireTensor
 JOIN_TIMEOUT_S = 30.0  # every member joining the group (a missing one: it did not form)
 LOAD_TIMEOUT_S = 900.0  # loading the layers after that (from disk)
 BOUND_S = float(os.environ.get("WEDLM_GROUP_BOUND_S", "20"))  # one forward, collectives in it
+# A long forward (a prompt chunk on a slow machine) may take longer than the bound without
+# any member being lost: each forward also gets this many times the time per row of the
+# largest forward its group has run so far (a small one's time is mostly fixed costs),
+# for each of its rows.
+ROW_MARGIN = 4.0
 
 
 class GroupFailed(WedlmError):
@@ -89,6 +95,9 @@ class GroupMember:
         self.ready = ready
         self.kv_sequences = self.kv_bytes = 0
         self.last_split: dict[str, float] = {}  # the last forward's times in the process
+        self._rows: deque[int] = deque()  # the launched forwards' rows, in order
+        self._per_row_s = 0.0  # compute time per row of the largest forward so far
+        self._largest = 0
 
     @property
     def leader(self) -> bool:
@@ -133,6 +142,7 @@ class GroupMember:
                 f"this worker is member {self.spec.rank} of a tensor group: its leader "
                 "takes the forwards",
             )
+        self._rows.append(spec.num_rows * spec.width)
         self._send(
             {
                 "op": "forward",
@@ -144,7 +154,13 @@ class GroupMember:
 
     def finish(self) -> tuple[WireTensor, float]:
         """The next launched forward's output (in launch order) and its compute seconds."""
-        reply = self._checked(self._reply(BOUND_S, "a forward (a member is lost or frozen)"))
+        rows = self._rows.popleft() if self._rows else 1
+        bound = BOUND_S + ROW_MARGIN * self._per_row_s * rows
+        reply = self._checked(self._reply(bound, "a forward (a member is lost or frozen)"))
+        if rows >= self._largest:
+            per_row = float(reply["compute_s"]) / rows
+            self._per_row_s = per_row if rows > self._largest else max(self._per_row_s, per_row)
+            self._largest = rows
         dtype, shape, data = reply["hidden"]
         self.last_split = reply.get("split", {})
         return WireTensor(dtype, tuple(shape), data), float(reply["compute_s"])
