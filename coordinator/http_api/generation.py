@@ -37,7 +37,8 @@ Encode = Callable[[], tuple[list[int], GenerationParams]]
 def openai_encoder(backend: ApiBackend, body: GenerationFields, choice: int = 0) -> Encode:
     """The prompt ids and GenerationParams of an OpenAI request, chat or text, as every
     API adapter maps its own request into one (run by Generation.start on a worker thread).
-    `choice` i of n > 1 samples with seed + i (each choice its own sequence)."""
+    `choice` i of n > 1 samples with seed + i (each choice its own sequence, which copies
+    choice 0's prompt rows: Generation.start's `first`)."""
 
     def encode() -> tuple[list[int], GenerationParams]:
         if isinstance(body, ChatCompletionRequest):
@@ -83,15 +84,19 @@ class Generation:
         self.stops = job.params.stop_strings
 
     @classmethod
-    async def start(cls, backend: ApiBackend, request: Request, encode: Encode) -> Generation:
+    async def start(
+        cls, backend: ApiBackend, request: Request, encode: Encode, first: Job | None = None
+    ) -> Generation:
         """`encode` runs on a worker thread (a chat template and tokenization can take
         milliseconds, and admission may write the job to the store); it raises the API's
-        own errors, admission raises Refused (each API words it)."""
+        own errors, admission raises Refused (each API words it). `first`: choice 0's job
+        when this is another choice of the same request (n > 1): the prompt is prefilled
+        once, this choice starts from its rows."""
         events = JobEvents(asyncio.get_running_loop())
 
         def admit() -> Job:
             prompt, params = encode()
-            return backend.admission.accept(prompt, params, 0.0, events.put)
+            return backend.admission.accept(prompt, params, 0.0, events.put, first)
 
         job = await run_in_threadpool(admit)
         return cls(backend, request, job, events)

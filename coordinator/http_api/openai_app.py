@@ -280,18 +280,20 @@ def build_app(backend: ApiBackend) -> FastAPI:
             raise ApiError(404, f"The model {name!r} does not exist: this server serves "
                            f"{backend.model_name!r}", "model", "model_not_found")  # fmt: skip
 
-    async def start(request: Request, body: GenerationFields, choice: int = 0) -> Generation:
+    async def start(
+        request: Request, body: GenerationFields, choice: int = 0, first: Generation | None = None
+    ) -> Generation:
         check_model(body.model)
-
+        encode = openai_encoder(backend, body, choice)
         try:
-            return await Generation.start(backend, request, openai_encoder(backend, body, choice))
+            return await Generation.start(backend, request, encode, first.job if first else None)
         except Refused as e:
             raise from_refusal(e, body.limit_field(), PARAM_FIELDS, body.prompt_field()) from None
 
     async def answer(request: Request, body: GenerationFields, chat: bool):
         gens = [await start(request, body)]
-        try:  # n > 1: independent sequences (seeds seed, seed + 1, ...)
-            gens += [await start(request, body, i) for i in range(1, body.n or 1)]
+        try:  # n > 1: sequences with seeds seed, seed + 1, ... that prefill the prompt once
+            gens += [await start(request, body, i, gens[0]) for i in range(1, body.n or 1)]
         except Exception:
             for gen in gens:
                 gen.cancel()

@@ -69,9 +69,12 @@ class Admission:
         params: GenerationParams,
         deadline_s: float = 0.0,
         listen: Callable[[tuple], None] | None = None,
+        shares_prompt_of: Job | None = None,
     ) -> Job:
         """Create the job and start it; `listen` (see Job.listen_with) is attached before
-        the engine sees the job, so that no commit reaches it without its text."""
+        the engine sees the job, so that no commit reaches it without its text.
+        `shares_prompt_of`: an earlier choice of the same request (n > 1) with the same
+        prompt, whose prompt rows this job copies instead of prefilling them."""
         loop = self.ready_loop()
         params = self.engine.resolve_mode(params)
         try:
@@ -99,6 +102,7 @@ class Admission:
                 job = self.jobs.create(prompt, params, deadline_s)
             except JobStoreError as e:  # not written: not accepted
                 raise Refused(UNAVAILABLE, str(e)) from None
+        job.shares_prompt_of = shares_prompt_of
         if listen is not None:
             job.listen_with(listen)
         loop.submit(job)

@@ -185,8 +185,11 @@ class EngineLoop(threading.Thread):
     def _handle(self, message: Inbox) -> None:
         match message:
             case Submit(job) if not job.finished:
+                first = job.shares_prompt_of
+                live = self._live.get(first.seq_id) if first is not None else None
+                leader = live.seq if live is not None else None
                 try:
-                    seq = self.engine.submit(job.prompt, job.params)
+                    seq = self.engine.submit(job.prompt, job.params, leader)
                 except QueueFull as e:  # a backstop: the servicer checks the limits first
                     job.finish("failed", error_record(len(job.prompt), str(e)))
                     return
@@ -392,6 +395,8 @@ class EngineLoop(threading.Thread):
         record = result_record(seq, self.tokenizer.text(seq.output), error, error_kind)
         m = self.metrics
         m.prompt_tokens.inc(seq.prefilled)
+        m.prompt_tokens_computed.inc(max(seq.prefilled - seq.cached_tokens, 0))
+        m.prompt_tokens_shared.inc(seq.shared_tokens)
         m.decode_forwards.inc(seq.forwards)
         m.requests.labels(seq.finish_reason or state).inc()
         m.e2e.observe(time.time() - live.job.created_at)
