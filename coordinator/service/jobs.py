@@ -30,9 +30,6 @@ class Job:
     result: RequestResult | None = None
     seq_id: int | None = None
     deadline: float | None = None  # wall-clock time after which the job is cancelled
-    # n > 1: the first choice's job, whose prompt rows this one copies (not persisted:
-    # a job resumed after a restart prefills its own)
-    shares_prompt_of: Job | None = field(default=None, repr=False)
     on_finish: Callable[[Job], None] | None = field(default=None, repr=False)
     _listeners: list[Callable[[JobEvent], None]] = field(default_factory=list, repr=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
