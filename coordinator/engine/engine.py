@@ -528,7 +528,9 @@ class Engine:
         else:  # AR rows fill their one slot (an infinite threshold): exactly is_mask
             fills = is_mask
         # after selection, which reads the raw logits' entropies
-        logits = constrained.mask_logits(batch.plans, logit_bias.adjust_logits(batch.plans, logits))
+        logits = logit_bias.adjust_logits(batch.plans, logits)
+        if self.grammars is not None:
+            logits = constrained.mask_logits(batch.plans, logits, self.grammars.executor)
         if not batch.any_sampling:
             return fills, greedy_tokens(logits)
         arrays = batch.sampling_arrays()
