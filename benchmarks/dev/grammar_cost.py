@@ -124,6 +124,7 @@ def rows_cost(grammars, grammar: str, ids: list[int], rows: int) -> dict:
     """Host milliseconds per row-token of filling `rows` matchers' masks for each step of
     `ids`: one after another, and together on llguidance's threads (the engine's fill)."""
     table = llguidance.numpy.allocate_token_bitmask(rows, grammars.vocab_size)
+    executor = llguidance.LLExecutor()
     timings = {}
     for name in ("one_by_one", "together"):
         matchers = [grammars.matcher(grammar) for _ in range(rows)]
@@ -131,7 +132,7 @@ def rows_cost(grammars, grammar: str, ids: list[int], rows: int) -> dict:
         for token in ids:
             if name == "together":
                 jobs = [(m, i) for i, m in enumerate(matchers)]
-                llguidance.numpy.fill_next_token_bitmask_par(grammars.executor, jobs, table)
+                llguidance.numpy.fill_next_token_bitmask_par(executor, jobs, table)
             else:
                 for i, m in enumerate(matchers):
                     llguidance.numpy.fill_next_token_bitmask(m, table, i)
