@@ -95,3 +95,23 @@ def test_a_different_prompt_is_never_shared(local):
     assert other.share_from is None
     for _ in local.engine.stream([first, other]):
         pass
+
+
+def test_choices_share_with_the_prefix_cache_on(checkpoint_dir):
+    from coordinator.engine.prefix_cache import PrefixCache
+
+    local = open_local_engine(checkpoint_dir("wedlm_qwen3", seed=7), num_rows=8,
+                              prefix_cache=PrefixCache())  # fmt: skip
+    prompt = local.tokenizer.encode(PROMPT)
+    params = _params("ar", 1.0)
+    first, others = _shared(local, prompt, params)  # nothing cached yet: choice 0 prefills
+    assert first.cached_tokens == 0
+    assert [s.shared_tokens for s in others] == [len(prompt) - 1] * 3
+    again, more = _shared(local, prompt, params)  # choice 0 hits the cache, the rest fork it
+    assert again.cached_tokens == len(prompt) - 1
+    assert [s.shared_tokens for s in more] == [len(prompt) - 1] * 3
+    assert [again.output] + [s.output for s in more] == [first.output] + [
+        s.output for s in others
+    ]
+    cache = local.engine.scheduler.prefix_cache()
+    assert all(e.pins == 0 for e in cache.entries.values())
