@@ -2,14 +2,18 @@
 against unconstrained decoding on one model, single-process engine, C concurrent streams.
 Prints one JSON object.
 
-Per C: wall time per committed token, unconstrained and constrained AR, and (on a model
-with a mask token) unconstrained and constrained WeDLM with their tokens per forward
-(constrained WeDLM keeps its parallel commits: coordinator/engine/constrained.py); and
-the mask's own host cost per token (llguidance's
-bitmask fill and token consumption), replayed over the constrained outputs and over a
-schema-valid document in a large vocabulary (--mask-tokenizer: SmolLM2's 49,152 tokens).
+Per C and mode (AR, and WeDLM on a model with a mask token): wall time per committed
+token unconstrained and constrained, the overhead, tokens per forward of both (constrained
+WeDLM keeps its parallel commits: coordinator/engine/constrained.py), and the mask's own
+host time inside those runs (constrained.mask_logits: the bitmask fill of every
+constrained row, its upload and expansion queued on the device) per token and as a share
+of the constrained run's wall time. Then the mask's host cost per token replayed over a
+schema-valid document in a large vocabulary (--mask-tokenizer: SmolLM2's 49,152 tokens),
+one row and C rows filled together.
 
-  python benchmarks/dev/grammar_cost.py --model ../shared/models/stories260K --concurrency 1 8
+  python benchmarks/dev/grammar_cost.py                      # r2 checkpoint, C = 1 and 32
+  python benchmarks/dev/grammar_cost.py --dry-run            # seconds: tiny sizes, one run
+  python benchmarks/dev/grammar_cost.py --model ../shared/models/stories260K --concurrency 1 8 32
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import llguidance
 import llguidance.numpy
 
 from common.generation_params import GenerationParams
+from coordinator.engine import constrained
 from coordinator.engine.local_engine import open_local_engine
 from coordinator.http_api.response_format import JSON_OPTIONS
 
@@ -41,11 +46,29 @@ PROMPTS = ["Describe a person as JSON.", "Give me a JSON record of a traveller."
            "Invent a customer record in JSON."]  # fmt: skip
 
 
-def run(local, concurrency: int, tokens: int, **kw) -> dict:
+class MaskClock:
+    """Host seconds spent in constrained.mask_logits (the engine calls it through the
+    module, once per forward that has a constrained row)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._inner = constrained.mask_logits
+        constrained.mask_logits = self._timed
+
+    def _timed(self, *args, **kw):
+        t = time.perf_counter()
+        try:
+            return self._inner(*args, **kw)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+def run(local, clock: MaskClock, concurrency: int, tokens: int, **kw) -> dict:
     engine, tokenizer = local.engine, local.tokenizer
     chat = tokenizer.has_chat_template
     prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)], chat=chat) for i in range(concurrency)]
     params = GenerationParams(max_tokens=tokens, **kw)
+    clock.seconds = 0.0
     start = time.perf_counter()
     seqs = [engine.submit(p, params) for p in prompts]
     for _ in engine.stream(seqs):
@@ -53,13 +76,37 @@ def run(local, concurrency: int, tokens: int, **kw) -> dict:
     wall = time.perf_counter() - start
     committed = sum(len(s.output) for s in seqs)
     forwards = sum(s.forwards for s in seqs)
-    return {"ms_per_token": round(1000 * wall / committed, 3), "tokens": committed,
+    return {"ms_per_token": 1000 * wall / committed, "tokens": committed,
             "tokens_per_forward": round(committed / max(forwards, 1), 2),
+            "mask_ms_per_token": 1000 * clock.seconds / committed,
+            "mask_share_pct": 100 * clock.seconds / wall,
             "outputs": [s.output for s in seqs]}  # fmt: skip
 
 
+def best(local, clock: MaskClock, repeats: int, *args, **kw) -> dict:
+    """The run with the median wall time per token of `repeats`."""
+    runs = sorted((run(local, clock, *args, **kw) for _ in range(repeats)),
+                  key=lambda r: r["ms_per_token"])  # fmt: skip
+    return runs[len(runs) // 2]
+
+
+def compare(local, clock: MaskClock, repeats: int, c: int, tokens: int, grammar: str,
+            **kw) -> tuple[dict, list[list[int]]]:  # fmt: skip
+    """Unconstrained against constrained decoding in one mode at concurrency c."""
+    free = best(local, clock, repeats, c, tokens, **kw)
+    held = best(local, clock, repeats, c, tokens, grammar=grammar, **kw)
+    overhead = held["ms_per_token"] / free["ms_per_token"] - 1
+    return {"ms_per_token": round(free["ms_per_token"], 3),
+            "constrained_ms_per_token": round(held["ms_per_token"], 3),
+            "overhead_pct": round(100 * overhead, 1),
+            "tokens_per_forward": free["tokens_per_forward"],
+            "constrained_tokens_per_forward": held["tokens_per_forward"],
+            "mask_host_ms_per_token": round(held["mask_ms_per_token"], 4),
+            "mask_share_pct": round(held["mask_share_pct"], 1)}, held["outputs"]  # fmt: skip
+
+
 def mask_cost(grammars, grammar: str, outputs: list[list[int]]) -> float:
-    """Host milliseconds per token of llguidance's bitmask fill and consume."""
+    """Host milliseconds per token of llguidance's bitmask fill and consume, one row."""
     bitmask = llguidance.numpy.allocate_token_bitmask(1, grammars.vocab_size)
     spent, count = 0.0, 0
     for output in outputs:
@@ -73,13 +120,35 @@ def mask_cost(grammars, grammar: str, outputs: list[list[int]]) -> float:
     return round(1000 * spent / max(count, 1), 4)
 
 
+def rows_cost(grammars, grammar: str, ids: list[int], rows: int) -> dict:
+    """Host milliseconds per row-token of filling `rows` matchers' masks for each step of
+    `ids`: one after another, and together on llguidance's threads (the engine's fill)."""
+    table = llguidance.numpy.allocate_token_bitmask(rows, grammars.vocab_size)
+    executor = llguidance.LLExecutor()
+    timings = {}
+    for name in ("one_by_one", "together"):
+        matchers = [grammars.matcher(grammar) for _ in range(rows)]
+        t = time.perf_counter()
+        for token in ids:
+            if name == "together":
+                jobs = [(m, i) for i, m in enumerate(matchers)]
+                llguidance.numpy.fill_next_token_bitmask_par(executor, jobs, table)
+            else:
+                for i, m in enumerate(matchers):
+                    llguidance.numpy.fill_next_token_bitmask(m, table, i)
+            for m in matchers:
+                m.consume_token(token)
+        timings[name] = round(1000 * (time.perf_counter() - t) / (rows * len(ids)), 4)
+    return timings
+
+
 DOCUMENT = ('{"name":"Ada Lovelace","age":36,"city":"London","tags":["math","poetry",'
             '"engines"]}')
 
 
-def replay_cost(model: str) -> dict:
+def replay_cost(model: str, rows: int) -> dict:
     """The mask's host cost per token with another (larger) tokenizer, replaying a
-    schema-valid document's tokens."""
+    schema-valid document's tokens: one row, and `rows` rows per step."""
     from common.model_config import load_model_config
     from common.tokenizer import Tokenizer
     from coordinator.engine.constrained import Grammars
@@ -90,50 +159,52 @@ def replay_cost(model: str) -> dict:
     grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults=JSON_OPTIONS)
     ids = tokenizer.encode(DOCUMENT)
     cost = min(mask_cost(grammars, grammar, [ids]) for _ in range(5))
+    batched = [rows_cost(grammars, grammar, ids, rows) for _ in range(3)]
+    per_row = {k: min(b[k] for b in batched) for k in batched[0]}
     return {"tokenizer": model, "vocab": config.vocab_size, "tokens": len(ids),
-            "mask_host_ms_per_token": cost}  # fmt: skip
+            "mask_host_ms_per_token": cost, "rows": rows,
+            "rows_ms_per_row_token": per_row}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="../shared/models/stories260K")
+    ap.add_argument("--model", default="../shared/models/wedlm-smollm2-135m-r2")
     ap.add_argument("--mask-tokenizer", default="../shared/models/wedlm-smollm2-135m-r2")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per point (the median)")
+    ap.add_argument("--threshold", type=float, default=None, help="WeDLM's (engine default)")
+    quick = "tiny sizes (C = 1 and 2, 8 tokens, one run): check that it runs"
+    ap.add_argument("--dry-run", action="store_true", help=quick)
     args = ap.parse_args()
+    if args.dry_run:
+        args.concurrency, args.tokens, args.repeats = [1, 2], 8, 1
     local = open_local_engine(args.model, num_rows=max(args.concurrency))
     grammars = local.engine.grammars
     grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults=JSON_OPTIONS)
     grammars.check(grammar)
-    wedlm = local.engine.config.mask_token_id < local.engine.config.vocab_size
+    config = local.engine.config
+    modes = {"ar": {"mode": "ar"}}
+    if 0 <= config.mask_token_id < config.vocab_size:
+        wedlm = {"threshold": args.threshold} if args.threshold is not None else {}
+        modes["wedlm"] = {"mode": "wedlm", **wedlm}
+    clock = MaskClock()
     for c in args.concurrency:  # warm-up: every shape's kernels, the llguidance tokenizer
-        for kw in ({}, {"grammar": grammar}):
-            run(local, c, args.tokens, mode="ar", **kw)
-        if wedlm:
-            for kw in ({}, {"grammar": grammar}):
-                run(local, c, args.tokens, mode="wedlm", **kw)
+        for kw in modes.values():
+            compare(local, clock, 1, c, args.tokens, grammar, **kw)
     results = []
     for c in args.concurrency:
-        free = run(local, c, args.tokens, mode="ar")
-        constrained = run(local, c, args.tokens, mode="ar", grammar=grammar)
-        parallel = run(local, c, args.tokens, mode="wedlm") if wedlm else {}
-        held = run(local, c, args.tokens, mode="wedlm", grammar=grammar) if wedlm else {}
-        overhead = constrained["ms_per_token"] / free["ms_per_token"] - 1
-        results.append({
-            "concurrency": c,
-            "ar_ms_per_token": free["ms_per_token"],
-            "constrained_ms_per_token": constrained["ms_per_token"],
-            "overhead_pct": round(100 * overhead, 1),
-            "mask_host_ms_per_token": mask_cost(grammars, grammar, constrained["outputs"]),
-            "wedlm_ms_per_token": parallel.get("ms_per_token"),  # None: no mask token
-            "wedlm_tokens_per_forward": parallel.get("tokens_per_forward"),
-            "constrained_wedlm_ms_per_token": held.get("ms_per_token"),
-            "constrained_wedlm_tokens_per_forward": held.get("tokens_per_forward"),
-            "constrained_tokens_per_forward": constrained["tokens_per_forward"],
-        })  # fmt: skip
+        point: dict = {"concurrency": c}
+        outputs: list[list[int]] = []
+        for name, kw in modes.items():
+            point[name], outputs = compare(local, clock, args.repeats, c, args.tokens, grammar,
+                                           **kw)  # fmt: skip
+        point["replayed_mask_host_ms_per_token"] = mask_cost(grammars, grammar, outputs)
+        results.append(point)
+    large = replay_cost(args.mask_tokenizer, max(args.concurrency))
     print(json.dumps({"model": args.model, "vocab": grammars.vocab_size, "tokens": args.tokens,
-                      "results": results, "large_vocab": replay_cost(args.mask_tokenizer)},
-                     indent=1))  # fmt: skip
+                      "repeats": args.repeats, "modes": list(modes), "results": results,
+                      "large_vocab": large}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ class Grammars:
         self._tokenizer, self.vocab_size, self._stop_ids = tokenizer, vocab_size, stop_ids
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        # llguidance's thread pool: a forward's constrained rows are filled together
+        self.executor = llguidance.LLExecutor()
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -93,31 +95,31 @@ def _slot_prefixes(plan: RowPlan) -> list[list[int]]:
     return [[]]
 
 
-def _fill_slots(seq: Sequence, prefixes: list[list[int]], table: np.ndarray, row: int) -> int:
-    """Fill table rows row, row + 1, ... with the masks of the slots whose prefix the
-    grammar allows (stopping at the first it forbids or a stop token: a slot after one is
-    never committed); the matcher is rolled back to where it was. Returns the count."""
+def _fill_job(seq: Sequence, prefixes: list[list[int]], row: int):
+    """The fill of a constrained row's slots (`prefixes` nested, each one longer): its
+    matcher advanced through the first prefix (rolled back after the fill), and the job
+    (matcher, first table row, drafts) whose masks go to table rows row, row + 1, ...:
+    the state after the first prefix, then after each further token the grammar allows
+    (stopping at the first it forbids or a stop token: a slot after one is never
+    committed). Returns (job or None, tokens consumed, slots filled)."""
     matcher, stops = seq.matcher, seq.params.all_stop_ids
-    consumed = 0
-    for count, prefix in enumerate(prefixes):
-        extra = prefix[consumed:]
-        if any(t in stops for t in extra) or matcher.validate_tokens(extra) < len(extra):
-            break
-        if extra:
-            matcher.consume_tokens(extra)
-            consumed += len(extra)
-        llguidance.numpy.fill_next_token_bitmask(matcher, table, row + count)
-    else:
-        count = len(prefixes)
-    if consumed:
-        matcher.rollback(consumed)
-    return count
+    base, drafts = prefixes[0], prefixes[-1][len(prefixes[0]) :]
+    if any(t in stops for t in base) or matcher.validate_tokens(base) < len(base):
+        return None, 0, 0
+    if base:
+        matcher.consume_tokens(base)
+    end = next((j for j, t in enumerate(drafts) if t in stops), len(drafts))
+    allowed = drafts[: matcher.validate_tokens(drafts[:end])] if end else []
+    return (matcher, row, allowed), len(base), 1 + len(allowed)
 
 
-def mask_logits(plans: list[RowPlan], logits: mx.array) -> mx.array:
+def mask_logits(
+    plans: list[RowPlan], logits: mx.array, executor: llguidance.LLExecutor
+) -> mx.array:
     """Logits [N, K, V] with the forbidden tokens of every constrained slot at -inf: the
     first slot of each constrained row (its matcher's state after what commits before
-    it), and a speculative row's choice after each draft the grammar allows."""
+    it), and a speculative row's choice after each draft the grammar allows. Every row's
+    masks are filled together, on `executor`'s threads (a C = 32 forward fills 32)."""
     rows = [(i, _slot_prefixes(p)) for i, p in enumerate(plans) if p.seq.matcher is not None]
     rows = [(i, pre) for i, pre in rows if not plans[i].seq.matcher.is_error()]
     if not rows:
@@ -127,11 +129,23 @@ def mask_logits(plans: list[RowPlan], logits: mx.array) -> mx.array:
     table = llguidance.numpy.allocate_token_bitmask(1 + sum(len(pre) for _, pre in rows), v)
     table[0] = -1
     index = np.zeros((n, k), dtype=np.int32)
-    used = 1
+    used, jobs, consumed = 1, [], []
     for i, prefixes in rows:
-        count = _fill_slots(plans[i].seq, prefixes[:k], table, used)
+        job, taken, count = _fill_job(plans[i].seq, prefixes[:k], used)
+        if job is not None:
+            jobs.append(job)
+            consumed.append((job[0], taken))
         index[i, :count] = np.arange(used, used + count)
         used += count
+    plain = [(matcher, row) for matcher, row, drafts in jobs if not drafts]
+    if plain:
+        llguidance.numpy.fill_next_token_bitmask_par(executor, plain, table)
+    drafted = [job for job in jobs if job[2]]  # llguidance refuses empty drafts here
+    if drafted:
+        llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, table)
+    for matcher, taken in consumed:
+        if taken:
+            matcher.rollback(taken)
     words = mx.array(table[:used].view(np.uint32))
     bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
     allowed = bits.reshape(used, -1)[:, :v].astype(mx.bool_)[mx.array(index)]

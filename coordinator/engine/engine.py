@@ -28,6 +28,7 @@ from coordinator.engine import constrained, logit_bias, token_logprobs
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, padded_width, row_bucket
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import PrefixCache
+from coordinator.engine.prompt_sharing import can_share
 from coordinator.engine.row_plan import (
     RowPlan,
     draft_room,
@@ -166,7 +167,11 @@ class Engine:
             f"degraded text (mode auto decodes it with {self.default_mode})"
         )
 
-    def submit(self, prompt: list[int], params: GenerationParams) -> Sequence:
+    def submit(
+        self, prompt: list[int], params: GenerationParams, shares_with: Sequence | None = None
+    ) -> Sequence:
+        """`shares_with`: another choice of the same request (n > 1), whose prompt rows
+        this one copies instead of prefilling them (prompt_sharing.py)."""
         params = constrained.sequential_params(self.resolve_mode(params))
         params = self.resolve_drafts(params)
         self.validate_prompt(prompt, params)
@@ -176,6 +181,8 @@ class Engine:
             if self.grammars is None:
                 raise InvalidRequest("structured output needs the tokenizer (use_grammars)")
             seq.matcher = self.grammars.matcher(params.grammar)
+        if shares_with is not None and self.scheduler.shares_prompts:
+            seq.share_from = shares_with if can_share(seq, shares_with) else None
         seq.warning = self.mode_warning(params)
         if seq.warning and params.mode not in self._warned:
             self._warned.add(params.mode)  # once per mode: a busy server would repeat it
@@ -521,7 +528,9 @@ class Engine:
         else:  # AR rows fill their one slot (an infinite threshold): exactly is_mask
             fills = is_mask
         # after selection, which reads the raw logits' entropies
-        logits = constrained.mask_logits(batch.plans, logit_bias.adjust_logits(batch.plans, logits))
+        logits = logit_bias.adjust_logits(batch.plans, logits)
+        if self.grammars is not None:
+            logits = constrained.mask_logits(batch.plans, logits, self.grammars.executor)
         if not batch.any_sampling:
             return fills, greedy_tokens(logits)
         arrays = batch.sampling_arrays()

@@ -18,12 +18,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from common.errors import WedlmError
 from common.generation_params import MAX_FORWARD_ROWS
 from coordinator.engine.forward_shapes import ShapeLimits, padded_width, row_bucket
 from coordinator.engine.limits import Limits
 from coordinator.engine.prefix_cache import PrefixCache
+from coordinator.engine.prompt_sharing import forked, leaders_in_use, start_shared, waits
 from coordinator.engine.row_plan import RowPlan, apply_result, plan_next
 from coordinator.engine.sequence import Phase, Sequence
 
@@ -67,6 +69,8 @@ class Scheduler:
     busy: set[Unit] = field(default_factory=set)  # units with a micro-batch in flight
     cache: PrefixCache | None = None  # finished sequences' KV rows, reused by new prompts
     decode_forwards: int = 0  # decode micro-batches completed (the clock of prefill_hold)
+    # n > 1 choices fork their leader's prompt rows (prompt_sharing.py)
+    shares_prompts: ClassVar[bool] = True
     _turn: int = 0
     _held_since: dict[int, int] = field(default_factory=dict)  # seq id → decode_forwards
 
@@ -143,7 +147,8 @@ class Scheduler:
             if seq.finished:  # cancelled while queued
                 self.waiting.popleft()
                 continue
-            hit = cache.find(seq.prompt) if cache is not None and not seq.rebuild_to else None
+            own = not seq.rebuild_to and seq.share_from is None  # prompt_sharing: its fork
+            hit = cache.find(seq.prompt) if cache is not None and own else None
             if budget is not None:
                 need = in_use + self.kv_need(seq)
                 if cache is not None and need + cache.tokens > budget:
@@ -154,7 +159,7 @@ class Scheduler:
                     return
             self.waiting.popleft()
             in_use += self.kv_need(seq)
-            if cache is not None:
+            if cache is not None and own:
                 cache.stats.lookups += 1
                 if hit is not None:
                     cache.take(hit)
@@ -243,7 +248,13 @@ class Scheduler:
         return new
 
     def prefill_pending(self) -> list[Sequence]:
-        return [s for s in self.running if s.phase is Phase.PREFILL and not s.finished]
+        """Sequences with prompt rows to run now (not those waiting for their leader's
+        prompt rows: prompt_sharing.py)."""
+        pending = [s for s in self.running if s.phase is Phase.PREFILL and not s.finished]
+        if any(s.share_from is not None for s in pending):
+            running = {s.seq_id for s in self.running}
+            pending = [s for s in pending if not waits(s, running)]
+        return pending
 
     def prefill_ready(self) -> bool:
         """Whether a prefill micro-batch should run now (module docstring: the hold)."""
@@ -255,6 +266,8 @@ class Scheduler:
             return True
         if any(s.rebuild_to or s.prefilled > s.cached_tokens for s in pending):
             return True  # under way: a long prompt's next chunk, or a rebuild after a fault
+        if any(s.share_from is not None for s in pending):
+            return True  # a choice whose leader's prompt is in: its stream runs already
         decoding = sum(any(not s.finished for s in group) for group in self.groups)
         if not decoding:
             return True  # nobody decodes: waiting would delay everyone and save nothing
@@ -270,7 +283,9 @@ class Scheduler:
         if not self.prefill_ready():
             return plans
         width = 0
+        running = {s.seq_id for s in self.running}
         for seq in self.prefill_pending():
+            start_shared(seq, running)
             plan = self.plan(seq)
             # the forward's size once padded (forward_shapes): it stays within the budget
             padded = padded_width(max(width, plan.width)) * row_bucket(len(plans) + 1)
@@ -310,6 +325,7 @@ class Scheduler:
                 self._held_since.pop(seq.seq_id, None)
             if new or seq.finished:
                 commits.append(Commit(seq, new))
+            forked(seq)
         self._unpin_forks(plans)
         return commits
 
@@ -364,7 +380,9 @@ class Scheduler:
 
     def reap(self, in_flight: set[int]) -> list[Sequence]:
         """Drop finished sequences that no forward in flight includes; their KV can go."""
-        done = [s for s in self.running if s.finished and s.seq_id not in in_flight]
+        # a leader stays while a choice still forks its prompt rows (prompt_sharing.py)
+        keep = in_flight | leaders_in_use(self.running, in_flight)
+        done = [s for s in self.running if s.finished and s.seq_id not in keep]
         gone = {s.seq_id for s in done}
         if gone:
             self.running = [s for s in self.running if s.seq_id not in gone]

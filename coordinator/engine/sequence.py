@@ -44,7 +44,11 @@ class Sequence:
     prefilled: int = 0  # prompt tokens already in the KV
     rebuild_to: int = 0  # > 0 while re-prefilling committed history after a worker loss
     prefix: PrefixHit | None = None  # the cached rows it starts from (prefix cache)
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    cached_tokens: int = 0  # prompt tokens whose KV was copied (prefix cache or share_from)
+    # n > 1: the choice whose prompt rows this one copies once they are in the KV
+    # (prompt_sharing.py); None once its fork has run, or when it prefills on its own.
+    share_from: Sequence | None = field(default=None, repr=False)
+    shared_tokens: int = 0  # prompt tokens whose KV was copied from share_from
     # WeDLM window, in logical slot order: slot i sits at position kv_length + i.
     window_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     window_filled: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
@@ -98,7 +102,8 @@ class Sequence:
         self.kv_length = 0
         self.prefilled = 0
         self.prefix = None  # the cache is dropped with the stages' KV: all is rebuilt
-        self.cached_tokens = 0
+        self.cached_tokens = self.shared_tokens = 0
+        self.share_from = None
         if self.canvas is not None:  # diffusion: the canvas goes on, its K/V is gone
             self.canvas.restart()
 

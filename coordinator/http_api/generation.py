@@ -34,10 +34,9 @@ from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 Encode = Callable[[], tuple[list[int], GenerationParams]]
 
 
-def openai_encoder(backend: ApiBackend, body: GenerationFields, choice: int = 0) -> Encode:
+def openai_encoder(backend: ApiBackend, body: GenerationFields) -> Encode:
     """The prompt ids and GenerationParams of an OpenAI request, chat or text, as every
-    API adapter maps its own request into one (run by Generation.start on a worker thread).
-    `choice` i of n > 1 samples with seed + i (each choice its own sequence)."""
+    API adapter maps its own request into one (run by Generation.start on a worker thread)."""
 
     def encode() -> tuple[list[int], GenerationParams]:
         if isinstance(body, ChatCompletionRequest):
@@ -56,8 +55,6 @@ def openai_encoder(backend: ApiBackend, body: GenerationFields, choice: int = 0)
                 syntax = backend.tokenizer.tool_calling
                 grammar = tool_choice_grammar(body.tool_choice, tools, syntax, grammars) or grammar
             params = replace(params, grammar=grammar)
-        if choice:
-            params = replace(params, seed=(params.seed + choice) % 2**32)
         return prompt, params
 
     return encode
@@ -87,14 +84,25 @@ class Generation:
         """`encode` runs on a worker thread (a chat template and tokenization can take
         milliseconds, and admission may write the job to the store); it raises the API's
         own errors, admission raises Refused (each API words it)."""
-        events = JobEvents(asyncio.get_running_loop())
+        return (await cls.start_choices(backend, request, encode, 1))[0]
 
-        def admit() -> Job:
+    @classmethod
+    async def start_choices(
+        cls, backend: ApiBackend, request: Request, encode: Encode, n: int
+    ) -> list[Generation]:
+        """`n` choices of one request, as `start`: choice i samples with seed + i, and the
+        prompt is encoded once and prefilled once (the choices share its KV rows)."""
+        loop = asyncio.get_running_loop()
+        events = [JobEvents(loop) for _ in range(n)]
+
+        def admit() -> list[Job]:
             prompt, params = encode()
-            return backend.admission.accept(prompt, params, 0.0, events.put)
+            choices = [replace(params, seed=(params.seed + i) % 2**32) for i in range(n)]
+            listens = [e.put for e in events]
+            return backend.admission.accept_choices(prompt, choices, 0.0, listens)
 
-        job = await run_in_threadpool(admit)
-        return cls(backend, request, job, events)
+        jobs = await run_in_threadpool(admit)
+        return [cls(backend, request, job, e) for job, e in zip(jobs, events, strict=True)]
 
     @property
     def prompt_tokens(self) -> int:

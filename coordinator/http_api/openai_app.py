@@ -280,22 +280,17 @@ def build_app(backend: ApiBackend) -> FastAPI:
             raise ApiError(404, f"The model {name!r} does not exist: this server serves "
                            f"{backend.model_name!r}", "model", "model_not_found")  # fmt: skip
 
-    async def start(request: Request, body: GenerationFields, choice: int = 0) -> Generation:
+    async def start(request: Request, body: GenerationFields) -> list[Generation]:
+        """The request's choices (n > 1: seeds seed, seed + 1, ..., one prompt prefill)."""
         check_model(body.model)
-
+        encode = openai_encoder(backend, body)
         try:
-            return await Generation.start(backend, request, openai_encoder(backend, body, choice))
+            return await Generation.start_choices(backend, request, encode, body.n or 1)
         except Refused as e:
             raise from_refusal(e, body.limit_field(), PARAM_FIELDS, body.prompt_field()) from None
 
     async def answer(request: Request, body: GenerationFields, chat: bool):
-        gens = [await start(request, body)]
-        try:  # n > 1: independent sequences (seeds seed, seed + 1, ...)
-            gens += [await start(request, body, i) for i in range(1, body.n or 1)]
-        except Exception:
-            for gen in gens:
-                gen.cancel()
-            raise
+        gens = await start(request, body)
         replies = [_Reply(chat, backend.model_name)]
         replies += [_Reply(chat, backend.model_name, i, replies[0]) for i in range(1, len(gens))]
         tools = None

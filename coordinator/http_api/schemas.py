@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.generation_params import MAX_TOP_LOGPROBS
 
-MAX_CHOICES = 16  # n: choices per request (each its own sequence)
+MAX_CHOICES = 16  # n: choices per request (each its own sequence; one prompt prefill)
 
 
 class _Body(BaseModel):

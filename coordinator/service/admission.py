@@ -15,6 +15,7 @@ from coordinator.engine.engine import Engine
 from coordinator.service.engine_loop import EngineLoop
 from coordinator.service.job_store import JobStoreError
 from coordinator.service.jobs import Job, JobRegistry
+from coordinator.service.results import error_record
 
 INVALID, TOO_LARGE, OVERLOADED, UNAVAILABLE = "invalid", "too_large", "overloaded", "unavailable"
 
@@ -72,8 +73,40 @@ class Admission:
     ) -> Job:
         """Create the job and start it; `listen` (see Job.listen_with) is attached before
         the engine sees the job, so that no commit reaches it without its text."""
+        return self.accept_choices(prompt, [params], deadline_s, [listen])[0]
+
+    def accept_choices(
+        self,
+        prompt: list[int],
+        choices: list[GenerationParams],
+        deadline_s: float = 0.0,
+        listens: list[Callable[[tuple], None] | None] | None = None,
+    ) -> list[Job]:
+        """The n choices of one request (n > 1: the same prompt, their own seeds), accepted
+        or refused together, each a job with its `listens` entry attached, started in one
+        message: the choices after the first copy its prompt rows (prompt_sharing.py)."""
         loop = self.ready_loop()
-        params = self.engine.resolve_mode(params)
+        choices = [self.engine.resolve_mode(p) for p in choices]
+        for params in choices:
+            self._validate(prompt, params, deadline_s)
+        with self._lock:
+            self._check_room(len(prompt), len(choices))
+            jobs: list[Job] = []
+            try:
+                for params in choices:
+                    jobs.append(self.jobs.create(prompt, params, deadline_s))
+            except JobStoreError as e:  # not written: not accepted
+                for job in jobs:
+                    job.finish("failed", error_record(len(prompt), str(e)))
+                raise Refused(UNAVAILABLE, str(e)) from None
+        for job, listen in zip(jobs, listens or [None] * len(jobs), strict=True):
+            if listen is not None:
+                job.listen_with(listen)
+        loop.submit(jobs[0], tuple(jobs[1:]))
+        return jobs
+
+    def _validate(self, prompt: list[int], params: GenerationParams, deadline_s: float) -> None:
+        """Refuse a request that is malformed or can never fit."""
         try:
             self.engine.validate_prompt(prompt, params)
             if deadline_s < 0 or deadline_s != deadline_s:
@@ -93,28 +126,18 @@ class Admission:
                 f"{budget} (lower max_tokens or add workers)",
                 Overflow(budget, len(prompt), params.max_tokens, params.forward_rows, kv=True),
             )
-        with self._lock:
-            self._check_room(len(prompt))
-            try:
-                job = self.jobs.create(prompt, params, deadline_s)
-            except JobStoreError as e:  # not written: not accepted
-                raise Refused(UNAVAILABLE, str(e)) from None
-        if listen is not None:
-            job.listen_with(listen)
-        loop.submit(job)
-        return job
 
-    def _check_room(self, prompt_tokens: int) -> None:
-        """Refuse at once, rather than queue without bound."""
+    def _check_room(self, prompt_tokens: int, count: int = 1) -> None:
+        """Refuse at once, rather than queue without bound (`count` jobs of this prompt)."""
         limits = self.engine.scheduler.limits
         active, tokens = self.jobs.load()
-        if active >= limits.max_running + limits.max_queued:
+        if active + count > limits.max_running + limits.max_queued:
             raise Refused(
                 OVERLOADED,
                 f"overloaded: {active} requests accepted ({limits.max_running} run at once, "
                 f"{limits.max_queued} may wait); retry later",
             )
-        if tokens + prompt_tokens > limits.max_queued_tokens:
+        if tokens + count * prompt_tokens > limits.max_queued_tokens:
             raise Refused(
                 OVERLOADED,
                 f"overloaded: {tokens} prompt tokens queued (limit {limits.max_queued_tokens})",

@@ -92,12 +92,15 @@ class EngineLoop(threading.Thread):
         self._failures = 0  # forwards failed since the last tick that worked
 
     # ---- called from gRPC threads --------------------------------------------------
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, choices: tuple[Job, ...] = ()) -> None:
+        """`choices`: the request's other choices (n > 1), which share `job`'s prompt rows."""
         with self._door:
             if self.dead is None:
-                self.inbox.put(Submit(job))
+                self.inbox.put(Submit(job, choices))
                 return
-        job.finish("failed", error_record(len(job.prompt), self._death_message(), ENGINE_STOPPED))
+        for each in (job, *choices):
+            each.finish("failed", error_record(len(each.prompt), self._death_message(),
+                                               ENGINE_STOPPED))  # fmt: skip
 
     def cancel(self, job: Job, reason: str = "cancelled") -> None:
         self.inbox.put(Cancel(job, reason))
@@ -138,8 +141,8 @@ class EngineLoop(threading.Thread):
             except queue.Empty:
                 break
             if isinstance(item, Submit):
-                job = item.job
-                job.finish("failed", error_record(len(job.prompt), message, ENGINE_STOPPED))
+                for job in (item.job, *item.choices):
+                    job.finish("failed", error_record(len(job.prompt), message, ENGINE_STOPPED))
         with contextlib.suppress(Exception):  # the engine's state may be what broke
             self.engine.fail_all()
         lives = list(self._live.values())
@@ -184,18 +187,27 @@ class EngineLoop(threading.Thread):
 
     def _handle(self, message: Inbox) -> None:
         match message:
-            case Submit(job) if not job.finished:
-                try:
-                    seq = self.engine.submit(job.prompt, job.params)
-                except QueueFull as e:  # a backstop: the servicer checks the limits first
-                    job.finish("failed", error_record(len(job.prompt), str(e)))
-                    return
-                job.seq_id = seq.seq_id
-                self._live[seq.seq_id] = _Live(job, seq, self.tokenizer.detokenizer())
+            case Submit(job, choices):
+                leader = self._start(job)
+                for choice in choices:
+                    self._start(choice, leader)
             case Cancel(job, reason) if job.seq_id in self._live:
                 self._end(self._live[job.seq_id], "cancelled", reason)
             case _:  # Wake, Stop (the loop reads its flags), or nothing left to do
                 pass
+
+    def _start(self, job: Job, leader: Sequence | None = None) -> Sequence | None:
+        """Hand `job` to the engine (`leader`: the choice whose prompt rows it copies)."""
+        if job.finished:
+            return None
+        try:
+            seq = self.engine.submit(job.prompt, job.params, leader)
+        except QueueFull as e:  # a backstop: the servicer checks the limits first
+            job.finish("failed", error_record(len(job.prompt), str(e)))
+            return None
+        job.seq_id = seq.seq_id
+        self._live[seq.seq_id] = _Live(job, seq, self.tokenizer.detokenizer())
+        return seq
 
     def _expire(self) -> None:
         now = time.time()
@@ -392,6 +404,8 @@ class EngineLoop(threading.Thread):
         record = result_record(seq, self.tokenizer.text(seq.output), error, error_kind)
         m = self.metrics
         m.prompt_tokens.inc(seq.prefilled)
+        m.prompt_tokens_computed.inc(max(seq.prefilled - seq.cached_tokens, 0))
+        m.prompt_tokens_shared.inc(seq.shared_tokens)
         m.decode_forwards.inc(seq.forwards)
         m.requests.labels(seq.finish_reason or state).inc()
         m.e2e.observe(time.time() - live.job.created_at)

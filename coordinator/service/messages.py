@@ -11,9 +11,12 @@ from typing import Any
 # ---- the inbox of the engine thread (engine_loop.EngineLoop) ---------------------------
 @dataclass(frozen=True, slots=True)
 class Submit:
-    """Start decoding this accepted job."""
+    """Start decoding this accepted job, and `choices`: the other choices of the same
+    request (n > 1, the same prompt), which copy its prompt rows instead of prefilling
+    them (they come in one message, so that the job is still running when they start)."""
 
     job: Any  # a jobs.Job (jobs.py imports this module, not the other way round)
+    choices: tuple = ()  # jobs.Job each
 
 
 @dataclass(frozen=True, slots=True)

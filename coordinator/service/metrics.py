@@ -24,6 +24,16 @@ class Metrics:
             "wedlm:forward_shapes", "Distinct forward shapes run so far.", registry=r
         )
         self.prompt_tokens = Counter("wedlm:prompt_tokens", "Prefilled prompt tokens.", registry=r)
+        self.prompt_tokens_computed = Counter(
+            "wedlm:prompt_tokens_computed",
+            "Prompt tokens whose KV a forward computed (not copied from a cache or a choice).",
+            registry=r,
+        )
+        self.prompt_tokens_shared = Counter(
+            "wedlm:prompt_tokens_shared",
+            "Prompt tokens whose KV an n > 1 choice copied from the first choice.",
+            registry=r,
+        )
         self.generation_tokens = Counter(
             "wedlm:generation_tokens", "Committed generated tokens.", registry=r
         )

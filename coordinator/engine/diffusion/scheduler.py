@@ -6,6 +6,7 @@ per-row host arrays (`CanvasResults`); the commit decisions are made here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +44,8 @@ def repeat_end(output: list[int], start: int, run: int) -> int | None:
 @dataclass
 class CanvasScheduler(Scheduler):
     settings: DiffusionSettings | None = None
+    # a canvas request's prompt rows are planned with its canvas: each prefills its own
+    shares_prompts: ClassVar[bool] = False
     streams: dict[int, mx.array] = field(default_factory=dict)  # seq id -> random stream
     canvases_committed: int = 0
     steps_run: int = 0  # denoising forwards of canvases (repairs included)
