@@ -129,10 +129,10 @@ def test_sizes_that_do_not_divide_are_not_weighed(config):
 
     choice = choose(entries, config, BIG, None, measure)
     assert choice.size == 2  # one group of 2 and a member alone beat a pipeline of 3
-    assert sizes == [1]  # only the pair a group of 2 would join is measured
+    assert sizes == [3]  # every pair of members that can join a group
     three = dataclasses.replace(config, raw={**config.raw, "num_key_value_heads": 1})
     nothing = choose(entries, three, BIG, None, measure)
-    assert nothing.size == 1 and sizes == [1]  # nothing measured: no size divides
+    assert nothing.size == 1 and sizes == [3]  # nothing measured: no size divides
     assert nothing.note == "tp auto: pipeline — its 1 key/value heads do not divide by 2"
 
 
@@ -217,6 +217,9 @@ def test_links_measured_over_real_workers(two_workers):
             links[0].probe_link("not an address", 1.0)
         assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "peer 'not an address' is not HOST:PORT" in str(bad.value)
+        with pytest.raises(WorkerCallError) as slow:
+            links[0].probe_link(b, 31.0)
+        assert "timeout_s must be in (0, 30], not 31" in str(slow.value)
         with pytest.raises(WorkerCallError) as big:
             links[0].echo(bytes(link_probe.MAX_ECHO + 1), 5.0)
         assert big.value.code == grpc.StatusCode.INVALID_ARGUMENT

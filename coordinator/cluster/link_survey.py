@@ -37,6 +37,7 @@ class LinkSurvey:
     def measure(self, members: list, pairs: list) -> Figures:
         """The read bandwidth of `members` (WorkerEntry; the coordinator's has source
         "local") and the links of `pairs` of them."""
+        start = time.monotonic()
         figures = Figures()
         workers = [m for m in members if m.source != "local"]
         with ThreadPoolExecutor(max(1, min(len(workers), 16))) as pool:
@@ -48,6 +49,10 @@ class LinkSurvey:
         for a, b in pairs:  # one at a time: concurrent probes would share the links
             figures.links[frozenset((a.address, b.address))] = self._link(a, b)
         self.last = figures
+        log.info(
+            "link survey: %d members' reads, %d links in %.2f s",
+            len(members), len(pairs), time.monotonic() - start,
+        )  # fmt: skip
         return figures
 
     def _read(self, member) -> float:

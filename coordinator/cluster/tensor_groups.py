@@ -84,6 +84,16 @@ def form_groups(entries: list, config: ModelConfig, tp: int, local=None) -> tupl
     return groups, note
 
 
+def groupable(entries: list, local=None) -> list:
+    """The candidates that can join a group: serving, not started with --layers, and
+    with a port for a group process."""
+    return [
+        e
+        for e in ([local] if local is not None else []) + entries
+        if e.health == "serving" and not e.info.fixed_range and e.info.group_port > 0
+    ]
+
+
 def group_members(entries: list, config: ModelConfig, tp: int, local=None):
     """form_groups without its log line (`--tp auto` weighs every size)."""
     if tp <= 1:
@@ -91,11 +101,7 @@ def group_members(entries: list, config: ModelConfig, tp: int, local=None):
     problem = shard_problem(config, tp)
     if problem is not None:
         return [], f"--tp {tp}: a pipeline, because {problem}"
-    free = [
-        e
-        for e in ([local] if local is not None else []) + entries
-        if e.health == "serving" and not e.info.fixed_range and e.info.group_port > 0
-    ]
+    free = groupable(entries, local)
     groups: list[Group] = []
     alone: list[str] = []
     while len(free) >= tp:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
 from common.tensor_group.spec import shard_problem
-from coordinator.cluster.tensor_groups import group_members
+from coordinator.cluster.tensor_groups import group_members, groupable
 from coordinator.cluster.tp_choice import Figures, Projection, Shape, best, project, reason
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ def choose(entries: list, config: ModelConfig, shape: Shape, local, measure: Mea
         _, note = group_members(entries, config, 2, local)
         why = problem or note or "no two members can form a group"
         return AutoChoice(1, f"tp auto: pipeline — {why}")
-    grouped = list({id(m): m for gs in options.values() for g in gs for m in g}.values())
-    pairs = [(a, b) for i, a in enumerate(grouped) for b in grouped[i + 1 :]]
+    free = groupable(entries, local)
+    pairs = [(a, b) for i, a in enumerate(free) for b in free[i + 1 :]]
     figures = measure(members, pairs)
     names = [m.address for m in members]
     projections = [project(shape, [[n] for n in names], figures, 1)]
