@@ -225,6 +225,9 @@ def test_links_measured_over_real_workers(two_workers):
         assert big.value.code == grpc.StatusCode.INVALID_ARGUMENT
         gone = links[0].probe_link("127.0.0.1:1", 1.0).link  # nobody listens there
         assert gone.error and gone.b == "127.0.0.1:1"
+        hurried = LinkSurvey(budget_s=0.0, local_read=lambda: 1e9)
+        late = hurried.measure([me, *entries], [(entries[0], entries[1])]).link(a, b)
+        assert late.error == "the survey's 0 s ran out"
     finally:
         for lk in links:
             lk.close()

@@ -19,6 +19,7 @@ from coordinator.cluster.worker_link import WorkerCallError
 
 log = logging.getLogger(__name__)
 MAX_AGE_S = 600.0
+BUDGET_S = 20.0  # the whole survey's bound: pairs left when it runs out go unmeasured
 
 
 class LinkSurvey:
@@ -26,10 +27,12 @@ class LinkSurvey:
         self,
         timeout_s: float = link_probe.DEFAULT_TIMEOUT_S,
         max_age_s: float = MAX_AGE_S,
+        budget_s: float = BUDGET_S,
         local_read: Callable[[], float] = read_bandwidth,
     ) -> None:
         self.timeout_s = timeout_s  # per probe
         self.max_age_s = max_age_s
+        self.budget_s = budget_s
         self.local_read = local_read  # the coordinator's own (on the thread that owns MLX)
         self._links: dict[frozenset, tuple[float, pb.LinkFigures]] = {}
         self.last = Figures()  # the figures of the latest plan (`wedlm status`)
@@ -47,7 +50,12 @@ class LinkSurvey:
                     figures.reads[m.address] = self.local_read()
             figures.reads.update({name: f.result() for name, f in reads.items()})
         for a, b in pairs:  # one at a time: concurrent probes would share the links
-            figures.links[frozenset((a.address, b.address))] = self._link(a, b)
+            key = frozenset((a.address, b.address))
+            if time.monotonic() - start > self.budget_s:
+                why = f"the survey's {self.budget_s:g} s ran out"
+                figures.links[key] = pb.LinkFigures(a=a.address, b=b.address, error=why)
+                continue
+            figures.links[key] = self._link(a, b)
         self.last = figures
         log.info(
             "link survey: %d members' reads, %d links in %.2f s",
