@@ -3,7 +3,9 @@ choice of a group size from measured figures. Decoding one token reads every wei
 so a stage's time is its weight bytes over its members' memory read bandwidth; a group of
 N reads 1/N each but pays 2 all-reduces per layer (after attention and after the MLP), a
 ring's 2(N-1) steps of latency + hidden state / link bandwidth each; a pipeline pays a hop
-per stage. benchmarks/dev/tp_shapes.py projects Macs with the same functions."""
+per stage. benchmarks/dev/tp_shapes.py projects Macs with the same functions.
+Left out: compute, KV reads, the head (the same in every plan); a MoE layer counts all its
+experts, so its reads are an upper bound. Layers are shared equally among stages."""
 
 from __future__ import annotations
 
