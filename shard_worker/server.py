@@ -28,6 +28,7 @@ from shard_worker.held_layers import HeldLayers
 from shard_worker.layer_cache import LayerCache
 from shard_worker.layer_fetch import LayerFetcher
 from shard_worker.mlx_thread import MLXThread
+from shard_worker.peer_probe import PeerProbe
 from shard_worker.servicer import WorkerIdentity, WorkerServicer
 from shard_worker.stage_route import StageRoute
 
@@ -89,8 +90,10 @@ class WorkerServer:
         if fetching and options.cache is None:
             raise WedlmError("a worker without a model needs a layer cache")
         self.auth = ClusterAuthInterceptor(options.secret, config.identity if config else "")
-        if fetching:  # a coordinator of any model may probe it and assign it layers
-            self.auth.any_model = frozenset(f"/{SERVICE_NAME}/{m}" for m in ("Info", "Assign"))
+        # A link probe carries no model's work; a coordinator of any model may probe a
+        # fetching worker and assign it layers.
+        open_to_any = ("Echo", "Info", "Assign", "ProbeLink") if fetching else ("Echo",)
+        self.auth.any_model = frozenset(f"/{SERVICE_NAME}/{m}" for m in open_to_any)
         self.server = grpc.server(
             ThreadPoolExecutor(max_workers=HANDLER_THREADS, thread_name_prefix="grpc"),
             interceptors=[self.auth],
@@ -134,6 +137,7 @@ class WorkerServer:
             group_backends=self.mlx.call(lambda: available_backends(rdma)),
             rdma_ports=rdma,
             group_host=options.host if options.host not in ("0.0.0.0", "::") else "",
+            peer_probe=PeerProbe(options.secret, options.tls),
         )
         framed = framed_parser(pb.ForwardRequest, "hidden")  # hidden states stay unparsed
         add_service(self.server, self.servicer, "Worker", {"Forward": framed, "Relay": framed})

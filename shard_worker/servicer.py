@@ -16,7 +16,7 @@ from typing import NoReturn
 
 import grpc
 
-from common import host_info
+from common import host_info, link_probe
 from common.call_auth import MODEL_KEY, PROTOCOL_VERSION
 from common.errors import CheckpointError, WedlmError, is_out_of_memory
 from common.free_port import free_port
@@ -27,6 +27,7 @@ from common.layer_runner import RowsError
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
+from common.read_bandwidth import read_bandwidth
 from common.tensor_codec import TensorFormatError
 from common.tensor_group.member import GroupFailed
 from common.tensor_group.rdma import RdmaPort
@@ -37,6 +38,7 @@ from shard_worker.held_layers import HeldLayers
 from shard_worker.layer_cache import CacheFull
 from shard_worker.layer_fetch import FetchError, LayerFetcher
 from shard_worker.mlx_thread import MLXThread, QueueFull, ThreadStopped
+from shard_worker.peer_probe import PeerProbe
 from shard_worker.stage_route import Failure, Plan, ReplyChannel, StageRoute
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         group_backends: list[str] | None = None,
         group_host: str = "127.0.0.1",
         rdma_ports: list[RdmaPort] | None = None,
+        peer_probe: PeerProbe | None = None,
     ) -> None:
         self.route = route
         self.identity = identity
@@ -112,6 +115,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.rdma_ports = rdma_ports or []  # its Thunderbolt cables, for jaccl groups
         self.group_host = group_host
         self.group_port = free_port(group_host)  # where its next group process listens
+        self.peer_probe = peer_probe or PeerProbe(None, None)
+        self.read_bandwidth = 0.0  # bytes/s, measured at the first ProbeLink
 
     @property
     def config(self) -> ModelConfig | None:
@@ -353,6 +358,37 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def Info(self, request: pb.InfoRequest, context) -> pb.WorkerInfo:
         return self.info()
 
+    # ---- link survey (--tp auto) ----------------------------------------------------
+    def Echo(self, request: pb.EchoRequest, context) -> pb.EchoReply:
+        if len(request.payload) > link_probe.MAX_ECHO:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"an echo payload is at most {link_probe.MAX_ECHO} bytes, "
+                f"not {len(request.payload)}",
+            )
+        return pb.EchoReply(received=len(request.payload))
+
+    def ProbeLink(self, request: pb.ProbeLinkRequest, context) -> pb.ProbeLinkReply:
+        """This worker's read bandwidth and, with a peer, its link's figures to it."""
+        peer, timeout = request.peer, request.timeout_s or link_probe.DEFAULT_TIMEOUT_S
+        if peer and not _ADDRESS.fullmatch(peer):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"peer {peer!r} is not HOST:PORT")
+        if not 0 < timeout <= link_probe.MAX_TIMEOUT_S:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"timeout_s must be in (0, {link_probe.MAX_TIMEOUT_S:g}], not {timeout:g}",
+            )
+        if not self.read_bandwidth:
+            try:  # once per process, on the thread that owns MLX
+                self.read_bandwidth = self.mlx.submit(read_bandwidth).result()
+            except Exception as e:
+                self._abort(context, e)
+        reply = pb.ProbeLinkReply(read_bandwidth=self.read_bandwidth)
+        if peer:
+            identity = dict(context.invocation_metadata() or ()).get(MODEL_KEY, "")
+            reply.link.CopyFrom(self.peer_probe.measure(peer, identity, timeout))
+        return reply
+
     def info(self) -> pb.WorkerInfo:
         state = self.layers.state
         held = state.layer_range
@@ -391,6 +427,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             group_backend=state.group.backend if state.group else "",
             group_error=state.group_error,
             rdma_ports=[pb.RdmaPort(**asdict(p)) for p in self.rdma_ports],
+            read_bandwidth=self.read_bandwidth,
         )
 
     @staticmethod

@@ -48,6 +48,7 @@ def format_status(status: dict[str, Any]) -> str:
             lines.append("    " + format_member(w))
         elif info.get("group_error"):
             lines.append(f"    tensor group did not form: {info['group_error']}")
+    lines += format_links(status)
     for f in status.get("fetches", []):
         lines.append(format_fetch(f))
     if "prefix_cache" in status:
@@ -55,6 +56,31 @@ def format_status(status: dict[str, Any]) -> str:
     if "limits" in status:
         lines.append(format_limits(status["limits"]))
     return "\n".join(lines)
+
+
+def format_links(status: dict[str, Any]) -> list[str]:
+    """What `--tp auto` measured: each link (`link coordinator↔127.0.0.1:5001: 0.31 ms RTT,
+    1.2 GB/s (256 KiB 0.52 ms, 4 MiB 3.6 ms)`) and each member's memory reads."""
+    lines = []
+    for link in status.get("links", []):
+        pair = f"link {link.get('a', '')}↔{link.get('b', '')}"
+        if link.get("error"):
+            lines.append(f"{pair}: not measured: {link['error']}")
+            continue
+        rtt, rate = float(link.get("rtt_s", 0)), float(link.get("bandwidth", 0))
+        small, large = float(link.get("small_s", 0)), float(link.get("large_s", 0))
+        lines.append(
+            f"{pair}: {rtt * 1e3:.2f} ms RTT, {rate / 1e9:.2f} GB/s "
+            f"(256 KiB {small * 1e3:.2f} ms, 4 MiB {large * 1e3:.2f} ms)"
+        )
+    reads = [("coordinator", status.get("read_bandwidth", 0))] + [
+        (w.get("address", ""), w.get("info", {}).get("read_bandwidth", 0))
+        for w in status.get("workers", [])
+    ]
+    known = [f"{who} {float(r) / 1e9:.1f} GB/s" for who, r in reads if r]
+    if known:
+        lines.append(f"memory reads: {', '.join(known)}")
+    return lines
 
 
 def format_member(worker: dict[str, Any]) -> str:

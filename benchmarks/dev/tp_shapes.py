@@ -1,12 +1,20 @@
 """Shapes and the projection of benchmarks/dev/tp_costs.py: the Qwen3-8B and -32B layer
 shapes, a small random qwen3's arguments, one TP rank's block arguments, and the per-token
-model of tensor parallelism against a pipeline on Macs (what is assumed is said in it)."""
+model of tensor parallelism against a pipeline on Macs (what is assumed is said in it), made
+with the formulas `--tp auto` decides with (coordinator/cluster/tp_choice.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import mlx.core as mx
+
+from coordinator.cluster.tp_choice import (
+    break_even_all_reduce_s,
+    pipeline_s,
+    ring_all_reduce_s,
+    tp_stage_s,
+)
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 VOCAB = 151936
@@ -73,14 +81,13 @@ def project(bandwidth_gbs: float, hop_ms: float, collectives: dict | None) -> di
             head_ms = VOCAB * shape["hidden"] * bpp / bandwidth_gbs / 1e6
             one_mac = layers_ms + head_ms
             for macs in (2, 4):
-                pipeline = one_mac + macs * hop_ms
-                # The break-even all-reduce: TP's saved weight reads pay for 2 per layer.
-                breakeven = (layers_ms * (1 - 1 / macs) + macs * hop_ms) / (
-                    2 * n_layers * (macs - 1)
-                )
+                pipeline = pipeline_s(one_mac, macs, hop_ms)
+                # The break-even all-reduce, in 2-Mac figures (a ring's N-1 of them).
+                even = break_even_all_reduce_s(layers_ms, n_layers, macs, hop_ms)
+                breakeven = even / (macs - 1)
                 for link, ar2 in links.items():
-                    ar = ar2 * (macs - 1)  # a ring all-reduce of a small message: 2(N-1) steps
-                    tp = layers_ms / macs + head_ms + 2 * n_layers * ar
+                    ar = ring_all_reduce_s(ar2 / 2, macs)  # a 2-Mac all-reduce is 2 steps
+                    tp = tp_stage_s(layers_ms, n_layers, macs, ar) + head_ms
                     rows.append({
                         "shape": name, "weights": weights, "macs": macs, "link": link,
                         "one_mac_ms": round(one_mac, 2), "pipeline_ms": round(pipeline, 2),

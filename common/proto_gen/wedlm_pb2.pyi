@@ -177,8 +177,54 @@ class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class EchoRequest(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+
+class EchoReply(_message.Message):
+    __slots__ = ("received",)
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    received: int
+    def __init__(self, received: _Optional[int] = ...) -> None: ...
+
+class ProbeLinkRequest(_message.Message):
+    __slots__ = ("peer", "timeout_s")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    timeout_s: float
+    def __init__(self, peer: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class LinkFigures(_message.Message):
+    __slots__ = ("a", "b", "rtt_s", "bandwidth", "small_s", "large_s", "error")
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    RTT_S_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    SMALL_S_FIELD_NUMBER: _ClassVar[int]
+    LARGE_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    a: str
+    b: str
+    rtt_s: float
+    bandwidth: float
+    small_s: float
+    large_s: float
+    error: str
+    def __init__(self, a: _Optional[str] = ..., b: _Optional[str] = ..., rtt_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., small_s: _Optional[float] = ..., large_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ProbeLinkReply(_message.Message):
+    __slots__ = ("link", "read_bandwidth")
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    link: LinkFigures
+    read_bandwidth: float
+    def __init__(self, link: _Optional[_Union[LinkFigures, _Mapping]] = ..., read_bandwidth: _Optional[float] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
-    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype", "plan_epoch", "next_stage", "fetches_layers", "cache_bytes", "kv_bits", "kv_group_size", "group_port", "group_backends", "group_rank", "group_size", "group_backend", "group_error", "rdma_ports")
+    __slots__ = ("node_id", "cluster", "protocol_version", "model_identity", "model_name", "num_layers", "has_layers", "layer_start", "layer_end", "fixed_range", "device", "memory_total", "memory_available", "layer_bytes", "kv_bytes_per_token", "kv_sequences", "kv_bytes", "hidden_dtype", "plan_epoch", "next_stage", "fetches_layers", "cache_bytes", "kv_bits", "kv_group_size", "group_port", "group_backends", "group_rank", "group_size", "group_backend", "group_error", "rdma_ports", "read_bandwidth")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +256,7 @@ class WorkerInfo(_message.Message):
     GROUP_BACKEND_FIELD_NUMBER: _ClassVar[int]
     GROUP_ERROR_FIELD_NUMBER: _ClassVar[int]
     RDMA_PORTS_FIELD_NUMBER: _ClassVar[int]
+    READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     cluster: str
     protocol_version: int
@@ -241,7 +288,8 @@ class WorkerInfo(_message.Message):
     group_backend: str
     group_error: str
     rdma_ports: _containers.RepeatedCompositeFieldContainer[RdmaPort]
-    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ..., fetches_layers: _Optional[bool] = ..., cache_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., group_port: _Optional[int] = ..., group_backends: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., group_backend: _Optional[str] = ..., group_error: _Optional[str] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ...) -> None: ...
+    read_bandwidth: float
+    def __init__(self, node_id: _Optional[str] = ..., cluster: _Optional[str] = ..., protocol_version: _Optional[int] = ..., model_identity: _Optional[str] = ..., model_name: _Optional[str] = ..., num_layers: _Optional[int] = ..., has_layers: _Optional[bool] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., fixed_range: _Optional[bool] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ..., layer_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., kv_sequences: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., hidden_dtype: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., next_stage: _Optional[str] = ..., fetches_layers: _Optional[bool] = ..., cache_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ..., kv_group_size: _Optional[int] = ..., group_port: _Optional[int] = ..., group_backends: _Optional[_Iterable[str]] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., group_backend: _Optional[str] = ..., group_error: _Optional[str] = ..., rdma_ports: _Optional[_Iterable[_Union[RdmaPort, _Mapping]]] = ..., read_bandwidth: _Optional[float] = ...) -> None: ...
 
 class LayerManifestRequest(_message.Message):
     __slots__ = ("layers", "with_sha256", "node_id", "fetch_bytes", "received_bytes")
@@ -506,7 +554,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., address: _Optional[str] = ..., source: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ..., group_leader: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusReply(_message.Message):
-    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches", "prefix_cache", "max_running", "max_running_reason", "default_mode", "kv_budget_tokens", "plan_note", "limits")
+    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches", "prefix_cache", "max_running", "max_running_reason", "default_mode", "kv_budget_tokens", "plan_note", "links", "read_bandwidth", "limits")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -523,6 +571,8 @@ class ClusterStatusReply(_message.Message):
     DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PLAN_NOTE_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     state: str
@@ -540,8 +590,10 @@ class ClusterStatusReply(_message.Message):
     default_mode: str
     kv_budget_tokens: int
     plan_note: str
+    links: _containers.RepeatedCompositeFieldContainer[LinkFigures]
+    read_bandwidth: float
     limits: RequestLimits
-    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., max_running: _Optional[int] = ..., max_running_reason: _Optional[str] = ..., default_mode: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ..., plan_note: _Optional[str] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
+    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., max_running: _Optional[int] = ..., max_running_reason: _Optional[str] = ..., default_mode: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ..., plan_note: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkFigures, _Mapping]]] = ..., read_bandwidth: _Optional[float] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
 
 class RequestLimits(_message.Message):
     __slots__ = ("max_request_bytes", "context_tokens", "max_prompt_chars")

@@ -66,6 +66,16 @@ class WorkerStub:
                 request_serializer=wedlm__pb2.InfoRequest.SerializeToString,
                 response_deserializer=wedlm__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.Echo = channel.unary_unary(
+                '/wedlm.v1.Worker/Echo',
+                request_serializer=wedlm__pb2.EchoRequest.SerializeToString,
+                response_deserializer=wedlm__pb2.EchoReply.FromString,
+                _registered_method=True)
+        self.ProbeLink = channel.unary_unary(
+                '/wedlm.v1.Worker/ProbeLink',
+                request_serializer=wedlm__pb2.ProbeLinkRequest.SerializeToString,
+                response_deserializer=wedlm__pb2.ProbeLinkReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -121,6 +131,21 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Echo(self, request, context):
+        """A link probe's far end: answers with the payload's length only (`--tp auto`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProbeLink(self, request, context):
+        """Measure this worker's link to `peer` (its Echo: a round trip, a 256 KiB and a 4 MiB
+        message) and report this worker's memory read bandwidth (measured once per process).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +178,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=wedlm__pb2.InfoRequest.FromString,
                     response_serializer=wedlm__pb2.WorkerInfo.SerializeToString,
+            ),
+            'Echo': grpc.unary_unary_rpc_method_handler(
+                    servicer.Echo,
+                    request_deserializer=wedlm__pb2.EchoRequest.FromString,
+                    response_serializer=wedlm__pb2.EchoReply.SerializeToString,
+            ),
+            'ProbeLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeLink,
+                    request_deserializer=wedlm__pb2.ProbeLinkRequest.FromString,
+                    response_serializer=wedlm__pb2.ProbeLinkReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +354,60 @@ class Worker:
             '/wedlm.v1.Worker/Info',
             wedlm__pb2.InfoRequest.SerializeToString,
             wedlm__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Echo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wedlm.v1.Worker/Echo',
+            wedlm__pb2.EchoRequest.SerializeToString,
+            wedlm__pb2.EchoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wedlm.v1.Worker/ProbeLink',
+            wedlm__pb2.ProbeLinkRequest.SerializeToString,
+            wedlm__pb2.ProbeLinkReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,7 +20,10 @@ from common.tensor_group.spec import GroupSpec
 from common.tls import TlsConfig
 from coordinator.cluster.discovery import DiscoveredWorker
 from coordinator.cluster.layer_plan import PlanError, WorkerCapacity, plan_layers
+from coordinator.cluster.link_survey import LinkSurvey
 from coordinator.cluster.tensor_groups import Group, form_groups
+from coordinator.cluster.tp_auto import AUTO, AutoChoice, choose
+from coordinator.cluster.tp_choice import Shape
 from coordinator.cluster.worker_link import WorkerCallError, WorkerLink
 
 log = logging.getLogger(__name__)
@@ -126,6 +129,7 @@ class Assembly:
     groups: list[Group] = field(default_factory=list)  # the tensor groups that formed
     note: str = ""  # why the plan has these stages (--tp)
     local_member: object = None  # the coordinator's group process (rank 0), if grouped
+    auto: AutoChoice | None = None  # what --tp auto measured and chose
 
     @property
     def links(self) -> list[WorkerLink]:
@@ -174,9 +178,8 @@ def plan_stages(
         details = "; ".join(f"{e.address}: {e.detail}" for e in entries) or "none found"
         raise PlanError(f"no usable worker ({details})")
     per_layer = layer_nbytes(config.path)
-    dtype_bytes = 2 if str(config.raw.get("torch_dtype", "")).endswith("16") else 4
     workers = [WorkerCapacity(e.address, _group_room(e, per_layer), _fixed(e)) for e in usable]
-    kv = kv_bytes_per_layer(config, kv_reserve_tokens, dtype_bytes)
+    kv = kv_bytes_per_layer(config, kv_reserve_tokens, _dtype_bytes(config))
     if local is not None:
         local_room = local.available_bytes
         if grouped_local is not None and grouped_local.group is not None:
@@ -199,6 +202,16 @@ def plan_stages(
     return plan_layers(config.num_layers, workers, per_layer, kv)
 
 
+def _dtype_bytes(config: ModelConfig) -> int:
+    return 2 if str(config.raw.get("torch_dtype", "")).endswith("16") else 4
+
+
+def model_shape(config: ModelConfig) -> Shape:
+    """What `--tp auto` weighs: the layers' weight bytes and a token's hidden state."""
+    hidden = config.hidden_size * _dtype_bytes(config)
+    return Shape(config.num_layers, layer_nbytes(config.path), hidden)
+
+
 def assemble(
     candidates: list[DiscoveredWorker],
     config: ModelConfig,
@@ -211,17 +224,25 @@ def assemble(
     epoch: int = 0,
     model_source: str = "",
     kv: KVFormat = FULL,
-    tp: int = 1,
+    tp: int | str = 1,
     start_local: Callable[[LayerRange, GroupSpec], object] | None = None,
+    survey: LinkSurvey | None = None,
 ) -> Assembly:
     """Probe, plan, assign and route. Every candidate gets an entry; the serving ones with
     layers, in layer order, form the chain behind the coordinator's own range (a tensor
     group counts as one stage, its leader in the chain). A group that does not form is
-    planned again as single stages. Raises PlanError when no valid plan exists,
+    planned again as single stages. `tp` "auto": the group size is chosen from `survey`'s
+    measurements (tp_auto.py). Raises PlanError when no valid plan exists,
     WorkerCallError when a worker fails on the way."""
     entries = probe_all(candidates, config, secret, cluster, probe_timeout_s, tls)
     me = local_entry(local) if local is not None and start_local is not None else None
+    auto = None
+    if tp == AUTO:
+        auto = choose(entries, config, model_shape(config), me, (survey or LinkSurvey()).measure)
+        tp = auto.size
     groups, note = form_groups(entries, config, tp, me)
+    if auto is not None:
+        note = f"{auto.note}; {note}" if note else auto.note
     while True:
         for g in groups:
             for m in g.members:
@@ -241,7 +262,8 @@ def assemble(
         groups = [g for g in groups if not g.failed]
     entries.sort(key=lambda e: (e.layers.start if e.layers else 1 << 30, e.address))
     _route(entries, epoch)
-    return Assembly(entries, plan.get(LOCAL), epoch, groups, note, started[0] if started else None)
+    started_member = started[0] if started else None
+    return Assembly(entries, plan.get(LOCAL), epoch, groups, note, started_member, auto)
 
 
 def _load(

@@ -86,18 +86,32 @@ def form_groups(entries: list, config: ModelConfig, tp: int, local=None) -> tupl
     `local`, the coordinator's entry, leads the first group when it can (it holds the
     first layers). A member started with --layers, one without a group port, and the
     remainder past the last full group stay pipeline stages."""
-    if tp <= 1:
-        return [], ""
-    problem = shard_problem(config, tp)
-    if problem is not None:
-        note = f"--tp {tp}: a pipeline, because {problem}"
+    groups, note = group_members(entries, config, tp, local)
+    if note.startswith("--tp"):
         log.warning("%s", note)
-        return [], note
-    free = [
+    elif note:
+        log.info("--tp %d: %s", tp, note)
+    return groups, note
+
+
+def groupable(entries: list, local=None) -> list:
+    """The candidates that can join a group: serving, not started with --layers, and
+    with a port for a group process."""
+    return [
         e
         for e in ([local] if local is not None else []) + entries
         if e.health == "serving" and not e.info.fixed_range and e.info.group_port > 0
     ]
+
+
+def group_members(entries: list, config: ModelConfig, tp: int, local=None):
+    """form_groups without its log line (`--tp auto` weighs every size)."""
+    if tp <= 1:
+        return [], ""
+    problem = shard_problem(config, tp)
+    if problem is not None:
+        return [], f"--tp {tp}: a pipeline, because {problem}"
+    free = groupable(entries, local)
     groups: list[Group] = []
     alone: list[str] = []
     while len(free) >= tp:
@@ -111,6 +125,4 @@ def form_groups(entries: list, config: ModelConfig, tp: int, local=None) -> tupl
     notes = [f"tensor group {g.describe()}" for g in groups]
     if alone:
         notes.append(f"alone (no group of {tp} with a shared backend): {', '.join(alone)}")
-    note = "; ".join(notes)
-    log.info("--tp %d: %s", tp, note)
-    return groups, note
+    return groups, "; ".join(notes)

@@ -127,6 +127,15 @@ class WorkerLink:
             )
         return self._unary("Assign", request, timeout)
 
+    def echo(self, payload: bytes, timeout: float) -> None:
+        """One link-probe message to the worker's Echo (`--tp auto`)."""
+        self._unary("Echo", pb.EchoRequest(payload=payload), timeout)
+
+    def probe_link(self, peer: str, timeout_s: float) -> pb.ProbeLinkReply:
+        """The worker's read bandwidth and, with `peer`, its link's figures to that worker."""
+        request = pb.ProbeLinkRequest(peer=peer, timeout_s=timeout_s)
+        return self._unary("ProbeLink", request, timeout_s + 5.0)  # + the first read probe
+
     def route(self, epoch: int, next_stage: str, prev_stage: str) -> pb.WorkerInfo:
         request = pb.RouteRequest(plan_epoch=epoch, next_stage=next_stage, prev_stage=prev_stage)
         return self._unary("Route", request)

@@ -79,6 +79,8 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
 def _value(path: Path, key: str, value: Any, kind: type, k: Knob) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if k.parse is not None and kind is str and type(value) is int:
+        value = str(value)  # a setting read from text takes a number as well (tp = 2)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         article = "an" if kind is int else "a"
         what = k.what or k.help

@@ -31,6 +31,20 @@ def coordinator_layers(text: str) -> LayerRange:
     return layers
 
 
+def tp_size(text: str) -> int | str:
+    """--tp auto | N: the group size, or auto (chosen from measured links)."""
+    word = text.strip().lower()
+    if word == "auto":
+        return "auto"
+    try:
+        size = int(word)
+    except ValueError:
+        raise ValueError(f"expected auto or a whole number >= 1, got {text!r}") from None
+    if size < 1:
+        raise ValueError(f"a group has at least 1 member (1: a pipeline), got {size}")
+    return size
+
+
 def origins(text: str) -> list[str]:
     """--cors-origins a,b: comma-separated origins."""
     found = [o.strip() for o in text.split(",") if o.strip()]
@@ -112,17 +126,19 @@ class ServeSettings:
     micro_batches: int | None = knob(
         None, "micro-batches in flight (default: one per worker)", what="micro-batches in flight"
     )
-    tp: int = knob(
-        1,
-        "tensor parallelism: workers form groups of N that each hold one stage's layers "
+    tp: int | str = knob(
+        "auto",
+        "tensor parallelism: members form groups of N that each hold one stage's layers "
         "split N ways over mlx.distributed (ring, or nccl on CUDA), so one answer runs on N "
-        "machines at once; the coordinator leads the first group; what cannot be grouped "
-        "(heads that do not divide, a model without mlx-lm's Model.shard, a worker started "
-        "with --layers) stays a pipeline stage, as `wedlm status` says (default: 1, a "
-        "pipeline only)",
-        what="workers per tensor-parallel group",
-        low=1,
-        metavar="N",
+        "machines at once; the coordinator leads the first group. auto (the default) "
+        "measures each pair of members' link and each one's memory reads and groups them "
+        "only where the projected time per token beats a pipeline; 1 forces a pipeline; N "
+        "forces groups of N. What cannot be grouped (heads that do not divide, a model "
+        "without mlx-lm's Model.shard, a worker started with --layers) stays a pipeline "
+        "stage, as `wedlm status` says",
+        what="tensor-parallel group size (auto or N >= 1)",
+        parse=tp_size,
+        metavar="auto|N",
     )
     metrics_port: int | None = knob(
         None,

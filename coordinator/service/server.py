@@ -32,7 +32,7 @@ from common.model_parts import load_model_parts
 from common.proto_gen import wedlm_pb2 as pb
 from common.tls import TlsConfig, bind
 from common.tokenizer import Tokenizer
-from coordinator.cluster.cluster_setup import WorkerEntry
+from coordinator.cluster.cluster_setup import LOCAL, WorkerEntry
 from coordinator.cluster.discovery import WorkerBrowser, shortfall
 from coordinator.cluster.heartbeat import Heartbeat
 from coordinator.cluster.layer_plan import PlanError
@@ -105,7 +105,7 @@ class ServeOptions:
     max_running: int | None = None  # None: sized to memory once planned (running_limit.py)
     limits: Limits = field(default_factory=Limits)  # the queue and prefill settings
     micro_batches: int = 0  # 0: one per pipeline stage
-    tp: int = 1  # workers per tensor-parallel group (1: a pipeline only)
+    tp: int | str = _SETTINGS.tp  # tensor-parallel group size ("auto": chosen by measuring)
     metrics_port: int | None = None
     wait_timeout_s: float = _SETTINGS.wait_timeout  # --wait-for-workers: then say what is missing
     recovery_timeout_s: float = 600.0  # how long to wait for workers after a loss
@@ -530,6 +530,9 @@ class CoordinatorServer:
         )
         assembly = self.planner.assembly if self.planner is not None else None
         reply.plan_note = assembly.note if assembly is not None else ""
+        if assembly is not None and assembly.auto is not None:  # what --tp auto measured
+            reply.links.extend(assembly.auto.links)
+            reply.read_bandwidth = assembly.auto.reads.get(LOCAL, 0.0)
         for e in self.entries:
             status = reply.workers.add(
                 address=e.address, source=e.source, health=e.health, detail=e.detail,

@@ -33,6 +33,7 @@ from coordinator.cluster.discovery import (
     merge_candidates,
     parse_static,
 )
+from coordinator.cluster.link_survey import LinkSurvey
 from coordinator.cluster.worker_chain import WorkerChain
 from coordinator.engine.local_layers import LocalLayers
 from coordinator.engine.pipeline import StagePipeline
@@ -50,7 +51,7 @@ class PlanSettings:
     tls: object = None
     model_source: str = ""  # where workers fetch layers they lack (AssignRequest.model_source)
     kv: KVFormat = FULL  # how every stage stores KV (--kv-bits)
-    tp: int = 1  # workers per tensor-parallel group (--tp; 1: a pipeline only)
+    tp: int | str = 1  # tensor-parallel group size (--tp; 1: a pipeline; "auto": measured)
 
 
 class StagePlanner:
@@ -66,6 +67,7 @@ class StagePlanner:
         self.local = local  # None: --no-local-layers
         self.browser = browser
         self.assembly: Assembly | None = None
+        self.survey = LinkSurvey()  # --tp auto's figures, kept across re-plans
         self.epoch = 0
         self._lock = threading.Lock()
         self._rdma: tuple | None = None  # its RDMA ports, read once (system_profiler is slow)
@@ -78,7 +80,7 @@ class StagePlanner:
     def _local_member(self) -> LocalMember | None:
         if self.local is None:
             return None
-        if self.settings.tp <= 1:
+        if self.settings.tp == 1:
             return LocalMember(self.local.available_bytes(), self.local.fixed)
         # a candidate for rank 0 of the first tensor group, on a port free now
         if self._rdma is None:
@@ -114,6 +116,7 @@ class StagePlanner:
             kv=s.kv,
             tp=s.tp,
             start_local=self._start_local if self.local is not None else None,
+            survey=self.survey,
         )
         runner = (
             self.local.hold(assembly.local, assembly.local_member)
