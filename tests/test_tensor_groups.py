@@ -169,3 +169,65 @@ def test_a_worker_refuses_a_bad_group(checkpoint_dir):
     finally:
         link.close()
         worker.stop()
+
+
+def test_forwards_in_flight_and_a_release_between_them(config):
+    """A group's forwards may be launched before the earlier ones are answered (the
+    coordinator prepares its next micro-batch meanwhile), and a release sent while they run
+    waits for them: the answers come in order and equal forwards run one at a time."""
+    import threading
+
+    import mlx.core as mx
+
+    from common.free_port import free_port
+    from common.kv_format import FULL
+    from common.layer_range import LayerRange
+    from common.tensor_codec import decode, wire_form
+    from common.tensor_group.member import GroupMember
+    from common.wire_frames import WireTensor
+
+    hosts = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    members: list = [None, None]
+
+    def start(rank: int) -> None:
+        members[rank] = GroupMember(
+            config.path, LayerRange(0, config.num_layers - 1), FULL, GroupSpec(rank, 2, hosts)
+        )
+
+    threads = [threading.Thread(target=start, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    leader = members[0]
+    try:
+        rng = np.random.default_rng(3)
+
+        def spec(seq: int, start: int, width: int) -> RowsSpec:
+            return RowsSpec([seq], np.array([start]), np.array([width]),
+                            np.ones((1, width), bool), np.array([width]))  # fmt: skip
+
+        def hidden(width: int) -> WireTensor:
+            x = mx.array(rng.standard_normal((1, width, config.hidden_size), dtype=np.float32))
+            wire, raw = wire_form(x)
+            host = np.array(raw)
+            return WireTensor(wire, host.shape, host.tobytes())
+
+        work = [(spec(1, 0, 5), hidden(5)), (spec(2, 0, 3), hidden(3)),
+                (spec(1, 5, 1), hidden(1))]  # fmt: skip
+        one_at_a_time = []
+        for s, x in work:
+            leader.launch(s, x, None)
+            one_at_a_time.append(np.array(decode(leader.finish()[0])))
+        assert leader.release([1, 2]) == 2
+        for s, x in work:  # the same forwards, all in flight, a release among them
+            leader.launch(dataclasses.replace(s, seq_ids=[s.seq_ids[0] + 10]), x, None)
+        assert leader.release([99]) == 0
+        in_flight = [np.array(decode(leader.finish()[0])) for _ in work]
+        for a, b in zip(one_at_a_time, in_flight, strict=True):
+            assert a.shape == b.shape and np.array_equal(a, b)
+        assert leader.release([11, 12]) == 2
+    finally:
+        for m in members:
+            if m is not None:
+                m.stop()

@@ -96,6 +96,9 @@ class GroupMember:
         self.kv_sequences = self.kv_bytes = 0
         self.last_split: dict[str, float] = {}  # the last forward's times in the process
         self._rows: deque[int] = deque()  # the launched forwards' rows, in order
+        # Answers to launched forwards read while waiting for a later request's (a
+        # release sent while forwards were in flight): finish() takes them first.
+        self._early: deque[dict[str, Any]] = deque()
         self._per_row_s = 0.0  # compute time per row of the largest forward so far
         self._largest = 0
 
@@ -156,7 +159,12 @@ class GroupMember:
         """The next launched forward's output (in launch order) and its compute seconds."""
         rows = self._rows.popleft() if self._rows else 1
         bound = BOUND_S + ROW_MARGIN * self._per_row_s * rows
-        reply = self._checked(self._reply(bound, "a forward (a member is lost or frozen)"))
+        raw = (
+            self._early.popleft()
+            if self._early
+            else self._reply(bound, "a forward (a member is lost or frozen)")
+        )
+        reply = self._checked(raw)
         if rows >= self._largest:
             per_row = float(reply["compute_s"]) / rows
             self._per_row_s = per_row if rows > self._largest else max(self._per_row_s, per_row)
@@ -166,7 +174,10 @@ class GroupMember:
         return WireTensor(dtype, tuple(shape), data), float(reply["compute_s"])
 
     def release(self, seq_ids: list[int]) -> int:
+        """Forget these sequences in the group (after the forwards launched before it)."""
         self._send({"op": "release", "ids": seq_ids})
+        while len(self._early) < len(self._rows):  # answers come in the order asked
+            self._early.append(self._reply(BOUND_S, "a forward (a member is lost or frozen)"))
         return int(self._checked(self._reply(BOUND_S, "a release"))["released"])
 
     def _checked(self, reply: dict[str, Any]) -> dict[str, Any]:

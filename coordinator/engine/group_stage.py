@@ -1,8 +1,9 @@
 """The coordinator's own layers held as rank 0 of a tensor group: its group process runs
 them with the other members, and this stands where the in-process LayerRunner stands in
-the pipeline (`forward`, `release`). Each forward waits for the group's answer (the hidden
-states leave this process), and the KV lives in the group, so the pipeline names every
-forward's permanent rows with the forward itself (no look-ahead keeps)."""
+the pipeline. Its forwards are launched and answered later, in order, as a worker chain's
+are (`launch`, `finish`): the engine prepares the next micro-batch while the group runs.
+The KV lives in the group, so the pipeline names every forward's permanent rows with the
+forward itself (no look-ahead keeps)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,21 @@ class GroupStage:
     def layer_range(self) -> LayerRange:
         return self.member.layer_range
 
+    def launch(
+        self, spec: RowsSpec, hidden: mx.array, reply_slots: np.ndarray | None = None
+    ) -> None:
+        """Hand a forward to the group and return (its answer: `finish`, in order); with
+        `reply_slots`, only those slots come back (a prompt chunk's last row)."""
+        wire, raw = wire_form(hidden)
+        host = np.array(raw)  # the embedding (and nothing else) evaluated here
+        self.member.launch(spec, WireTensor(wire, host.shape, host.tobytes()), reply_slots)
+
+    def finish(self) -> mx.array:
+        """The oldest launched forward's output (raises GroupFailed when a member is lost:
+        the engine then plans again, as for a lost worker)."""
+        out, _ = self.member.finish()
+        return decode(out)
+
     def forward(
         self,
         spec: RowsSpec,
@@ -33,14 +49,9 @@ class GroupStage:
         validate: bool = False,
         reply_slots: np.ndarray | None = None,
     ) -> mx.array:
-        """The group's output for `hidden` (raises GroupFailed when a member is lost: the
-        engine then plans again, as for a lost worker); with `reply_slots`, only those
-        slots come back (a prompt chunk's last row, not the whole chunk)."""
-        wire, raw = wire_form(hidden)
-        host = np.array(raw)  # the embedding (and nothing else) evaluated here
-        self.member.launch(spec, WireTensor(wire, host.shape, host.tobytes()), reply_slots)
-        out, _ = self.member.finish()
-        return decode(out)
+        """One forward, start to finish (nothing else in flight)."""
+        self.launch(spec, hidden, reply_slots)
+        return self.finish()
 
     def release(self, seq_ids: list[int]) -> None:
         self.member.release(list(dict.fromkeys(seq_ids)))

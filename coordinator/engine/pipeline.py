@@ -69,6 +69,21 @@ class StagePipeline:
         # the device computing this one overlap.
         self._unsent: deque[tuple[int, RowsSpec, np.ndarray | None, int, mx.array]] = deque()
         self._failed: list[Exception] = []  # a local stage's failure, raised at collect
+        # Micro-batches launched in an out-of-process local stage (a tensor group) whose
+        # answers are not read yet: read at collect (then sent on to the workers, if any).
+        self._in_group: deque[tuple[int, np.ndarray | None]] = deque()
+        self._in_chain = 0  # micro-batches sent to the workers and not yet collected
+
+    @property
+    def _group(self):
+        """The local stage when it runs out of process (launch/finish), else None."""
+        return self.local if hasattr(self.local, "launch") else None
+
+    @property
+    def default_micro_batches(self) -> int:
+        """One per stage, and one more when the first stage is a tensor group: this
+        process then prepares a micro-batch while the group runs another."""
+        return self.stages + (self._group is not None)
 
     @property
     def links(self) -> list:
@@ -91,10 +106,20 @@ class StagePipeline:
     ) -> None:
         if self.chain is not None and self.chain.broken is not None:
             raise self.chain.broken
+        if self._failed:  # nothing more is launched after a local stage's failure
+            self._done.append((batch_id, None))
+            return
+        last = reply_slots if self.chain is None else None
+        if self._group is not None:  # answered later, in order (collect)
+            try:
+                self._group.launch(spec, hidden, last)
+            except Exception as e:  # a lost member: said when collected
+                self._failed.append(e)
+                return
+            self._in_group.append((batch_id, reply_slots, spec))
+            return
         if self.local is not None:  # the engine built the spec itself: no validation
-            # the last stage keeps only the slots the head needs (a tensor group then
-            # sends back only those)
-            last = reply_slots if self.chain is None else None
+            # the last stage keeps only the slots the head needs
             try:
                 hidden = self.local.forward(spec, hidden, validate=False, reply_slots=last)
             except Exception as e:  # a tensor group's member lost: said when collected,
@@ -118,9 +143,33 @@ class StagePipeline:
     def collect(self) -> tuple[int, mx.array]:
         if self._failed:
             raise self._failed[0]
+        if self._in_group:
+            return self._collect_group()
         if self.chain is None:
             return self._done.popleft()
         self._send_launched()
+        self._in_chain = max(0, self._in_chain - 1)
+        return self.chain.collect()
+
+    def _collect_group(self) -> tuple[int, mx.array]:
+        """The oldest micro-batch, when a tensor group runs the first stage: its answer,
+        or (with workers after it) the workers' for the oldest one sent to them."""
+        if self.chain is not None and self._in_chain:
+            self._in_chain -= 1
+            return self.chain.collect()
+        while self._in_group:  # every launched one: the workers run one, the group the next
+            batch_id, reply_slots, spec = self._in_group.popleft()
+            try:
+                hidden = self._group.finish()
+            except Exception as e:
+                self._failed.append(e)
+                raise
+            if self.chain is None:
+                return batch_id, hidden
+            wire, raw = wire_form(hidden)
+            self.chain.send(batch_id, spec, frame(wire, raw), reply_slots)
+            self._in_chain += 1
+        self._in_chain -= 1
         return self.chain.collect()
 
     @property
@@ -151,6 +200,7 @@ class StagePipeline:
 
     def close(self) -> None:
         self._unsent.clear()
+        self._in_group.clear()
         if self.chain is not None:
             self.chain.close()
 

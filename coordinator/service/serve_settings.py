@@ -124,7 +124,10 @@ class ServeSettings:
         what="sequences decoded at once",
     )
     micro_batches: int | None = knob(
-        None, "micro-batches in flight (default: one per worker)", what="micro-batches in flight"
+        None,
+        "micro-batches in flight (default: one per stage, one more when the coordinator leads "
+        "a tensor group)",
+        what="micro-batches in flight",
     )
     tp: int | str = knob(
         "auto",

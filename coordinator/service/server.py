@@ -104,7 +104,7 @@ class ServeOptions:
     layers: LayerRange | None = None  # ... exactly these (--layers; must start at 0)
     max_running: int | None = None  # None: sized to memory once planned (running_limit.py)
     limits: Limits = field(default_factory=Limits)  # the queue and prefill settings
-    micro_batches: int = 0  # 0: one per pipeline stage
+    micro_batches: int = 0  # 0: one per pipeline stage (one more for a coordinator-led group)
     tp: int | str = _SETTINGS.tp  # tensor-parallel group size ("auto": chosen by measuring)
     metrics_port: int | None = None
     wait_timeout_s: float = _SETTINGS.wait_timeout  # --wait-for-workers: then say what is missing

@@ -47,7 +47,7 @@ class PlanSettings:
     secret: str | None
     static: list[str]
     kv_reserve_tokens: int
-    micro_batches: int  # 0: one per stage
+    micro_batches: int  # 0: one per stage (and one more for a coordinator-led group)
     tls: object = None
     model_source: str = ""  # where workers fetch layers they lack (AssignRequest.model_source)
     kv: KVFormat = FULL  # how every stage stores KV (--kv-bits)
@@ -138,7 +138,7 @@ class StagePlanner:
             if e.layers is None and e.link is not None:
                 e.link.close()
         log.info("plan %d: %s", epoch, assembly.layout())
-        return pipeline, s.micro_batches or pipeline.stages
+        return pipeline, s.micro_batches or pipeline.default_micro_batches
 
     def joiners(self, probe_timeout_s: float = 1.0) -> list[str]:
         """Workers that answer now and would change the plan (a new worker, or one that
