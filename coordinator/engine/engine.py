@@ -39,6 +39,7 @@ from coordinator.engine.sampling import greedy_tokens, sample_tokens
 from coordinator.engine.scheduler import PREFILL, Commit, Limits, Scheduler, Unit
 from coordinator.engine.selection import entropy, select_fills
 from coordinator.engine.sequence import Phase, Sequence
+from coordinator.engine.step_cost import AR, DRAFT, StepCost
 from coordinator.engine.tick_batch import TickBatch, build_batch
 from coordinator.engine.wedlm_ahead import next_inputs
 
@@ -97,6 +98,7 @@ class Engine:
         # The model's EOS ids and the tokenizer's chat end tokens always stop.
         self.model_stop_ids = tuple(dict.fromkeys(self.config.eos_token_ids + tuple(stop_ids)))
         self.forwards = 0
+        self._last_done = 0.0  # when the last forward was read back (step_cost's clock)
         self.shapes = ForwardShapes()  # distinct forward shapes launched (bounded: shape_limits)
         self.undelivered: list[Commit] = []  # commits of a step that then failed
         self.drafter = None  # a DraftModel proposing speculative drafts (use_drafter)
@@ -126,6 +128,11 @@ class Engine:
         self.micro_batches = micro_batches
         self.scheduler.regroup(micro_batches)
         self._padding.clear()
+
+    @property
+    def step_cost(self) -> StepCost:
+        """The break-even of speculative drafts on this machine (step_cost.py)."""
+        return self.scheduler.step_cost
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -368,7 +375,25 @@ class Engine:
             self._launch_other(commits)
         mx.eval(fills, tokens, *extra)  # the one host sync of this micro-batch
         self.forwards += 1
+        self._time_forward(flight)
         return Ran(flight, np.array(fills), np.array(tokens), ahead, logprobs)
+
+    def _time_forward(self, flight: InFlight) -> None:
+        """Feed step_cost a decode forward's wall time (one micro-batch at a time: with
+        several in flight the spans overlap): all one-row rows launched ahead (AR's
+        cost), or rows with drafts or mask slots (a drafting forward's)."""
+        done, last = time.perf_counter(), self._last_done
+        self._last_done = done
+        if self.micro_batches != 1 or flight.unit is PREFILL or flight.unresolved:
+            return
+        plans = flight.plans
+        if any(p.seq.phase is not Phase.DECODE or p.seq.params.mode == "wedlm" for p in plans):
+            return
+        if all(p.width == 1 for p in plans):
+            if flight.started < last:  # launched ahead of the last one's read-back
+                self.step_cost.observe(AR, len(plans), done - last)
+        elif any(p.drafts or p.width > p.keep for p in plans):
+            self.step_cost.observe(DRAFT, len(plans), done - max(flight.started, last))
 
     def _launch_other(self, commits: list[Commit]) -> None:
         """Another unit's micro-batch (a prompt chunk, another group) does not depend on
