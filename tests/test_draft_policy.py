@@ -169,3 +169,16 @@ def test_measured_break_even_seeds_the_engine_and_changes_no_token(checkpoint_di
     assert sp.forwards + sp.accepted == len(sp.output)
     # drafts off after the first forward; probes at most every 8 forwards after it
     assert sp.drafted <= 8 + sp.forwards // PROBE_EVERY + 1
+
+
+def test_drafts_that_cannot_pay_are_never_tried():
+    """A forward commits at most window + 1 tokens: at a break-even of at least that (a
+    CPU whose multi-row forwards cost 10x a one-row one), the request decodes as AR from
+    its first forward, with no probes, and every forward may be AR's look-ahead."""
+    seq = new_seq(window=4)
+    assert draft_room(seq, 4.9) == 4 and draft_room(seq, 5.0) == 0
+    one_row = RowPlan(seq, np.zeros(1, np.int32), np.ones(1, bool), 1, np.zeros(1), np.ones(1))
+    for _ in range(3 * PROBE_EVERY):
+        assert drafts_off(one_row, 5.0)
+        forward(seq, 0, 0, 5.0, extra=0)
+        assert draft_room(seq, 5.0) == 0

@@ -9,6 +9,10 @@ its limit is 0 and it decodes as AR, with AR's look-ahead. Within drafting, the 
 follows acceptance: doubled while every draft is accepted, cut to what was accepted when
 fewer than half are (to 0 when none is), halved when nothing was confident enough to draft.
 
+A drafting forward commits at most window + 1 tokens: where the break-even is at least
+that (a CPU's multi-row forwards can cost 10x a one-row one), drafts can never pay and the
+request decodes as AR from its first forward, with no probes.
+
 At 0 a probe (one draft; with mask drafts, a forward with mask slots, then one verifying
 its confident slot) tests whether drafts are accepted again. A probe whose draft is
 accepted resumes drafting; a probe that fails, or a resumed spell that ends without ever
@@ -52,6 +56,9 @@ def adapt_draft_limit(
         if extra:  # a probe
             _probed(seq, drafted, accepted)
         return
+    if not can_pay(seq, break_even):
+        seq.draft_limit = 0
+        return
     if extra:
         sample = accepted + 1
         gain = state.gain
@@ -85,9 +92,16 @@ def _probed(seq: Sequence, drafted: int, accepted: int) -> None:
         state.next_probe = seq.forwards + state.gap
 
 
-def draft_room(seq: Sequence) -> int:
+def can_pay(seq: Sequence, break_even: float) -> bool:
+    """Whether a drafting forward of `seq` could pay at all: at most window + 1 tokens."""
+    return break_even < seq.params.window + 1
+
+
+def draft_room(seq: Sequence, break_even: float = 1.0) -> int:
     """How many drafts (and mask slots) `seq`'s next forward may carry."""
     limit = seq.draft_limit
+    if not can_pay(seq, break_even):
+        return 0
     if limit is None:
         return seq.params.window
     if limit == 0 and seq.forwards + 1 >= seq.draft_state.next_probe:
@@ -95,11 +109,13 @@ def draft_room(seq: Sequence) -> int:
     return limit
 
 
-def drafts_off(plan: RowPlan) -> bool:
+def drafts_off(plan: RowPlan, break_even: float = 1.0) -> bool:
     """Whether a speculative row, read back but not yet postprocessed, and its next forward
     carry one row each (no drafts, no mask slots): the request then decodes as AR, and the
     next forward may be AR's look-ahead (engine._launch_ahead)."""
     seq = plan.seq
-    return (
-        seq.draft_limit == 0 and plan.width == 1 and seq.forwards + 2 < seq.draft_state.next_probe
-    )
+    if plan.width != 1:
+        return False
+    if not can_pay(seq, break_even):
+        return True
+    return seq.draft_limit == 0 and seq.forwards + 2 < seq.draft_state.next_probe

@@ -326,12 +326,13 @@ class Engine:
         if not rows or self.drafter is None:
             return plans
         seqs = [plans[i].seq for i in rows]
-        counts = [min(draft_room(s), s.params.max_tokens - len(s.output) - 1) for s in seqs]
+        be = self.step_cost.break_even(len(plans))
+        counts = [min(draft_room(s, be), s.params.max_tokens - len(s.output) - 1) for s in seqs]
         self.drafter.propose(seqs, counts)
         limit = self.config.max_position_embeddings
         plans = list(plans)
         for i, seq in zip(rows, seqs, strict=True):
-            plans[i] = plan_speculative(seq, self.config.mask_token_id, limit, "model")
+            plans[i] = plan_speculative(seq, self.config.mask_token_id, limit, "model", be)
         return plans
 
     def drop_padding(self) -> None:
@@ -478,7 +479,8 @@ class Engine:
         plans = [flight.plans[i] for i in live]
         if not plans or flight.unit is PREFILL:
             return False
-        if not all(_ar_decoding(p.seq) or _drafting_nothing(p) for p in plans):
+        be = self.step_cost.break_even(len(plans))
+        if not all(_ar_decoding(p.seq) or _drafting_nothing(p, be) for p in plans):
             return False
         joiners = self.scheduler.joiners(flight.unit, plans)
         if joiners is None:
@@ -632,10 +634,14 @@ def _wedlm_decoding(plan: RowPlan) -> bool:
     return seq.phase is Phase.DECODE and seq.params.mode == "wedlm" and plan.head_slots.size > 0
 
 
-def _drafting_nothing(plan: RowPlan) -> bool:
+def _drafting_nothing(plan: RowPlan, break_even: float) -> bool:
     """A speculative decode row whose drafts are off for now (row_plan.drafts_off)."""
     seq = plan.seq
-    return seq.phase is Phase.DECODE and seq.params.mode == "speculative" and drafts_off(plan)
+    return (
+        seq.phase is Phase.DECODE
+        and seq.params.mode == "speculative"
+        and drafts_off(plan, break_even)
+    )
 
 
 def _ar_decoding(seq: Sequence) -> bool:

@@ -114,10 +114,13 @@ def plan_autoregressive(seq: Sequence) -> RowPlan:
 # drafts, conditioned on text that is now committed.
 
 
-def plan_speculative(seq: Sequence, mask_token_id: int, max_positions: int, source: str) -> RowPlan:
-    """The rows of one verifying forward; `source` is the resolved draft source."""
+def plan_speculative(
+    seq: Sequence, mask_token_id: int, max_positions: int, source: str, break_even: float = 1.0
+) -> RowPlan:
+    """The rows of one verifying forward; `source` is the resolved draft source,
+    `break_even` a drafting forward's cost in AR forwards (draft_policy.py)."""
     pending = np.asarray(seq.pending(), dtype=np.int32)
-    limit = draft_room(seq)
+    limit = draft_room(seq, break_even)
     remaining = seq.params.max_tokens - len(seq.output)
     room = max_positions - seq.kv_length - pending.size  # rows that fit in the context
     if source == "lookup":
@@ -174,13 +177,19 @@ def accept_speculative(
     return [int(t) for t in drafted[:n]] + [int(choices[n])]
 
 
-def plan_next(seq: Sequence, mask_token_id: int, prefill_chunk: int, max_positions: int) -> RowPlan:
+def plan_next(
+    seq: Sequence,
+    mask_token_id: int,
+    prefill_chunk: int,
+    max_positions: int,
+    break_even: float = 1.0,
+) -> RowPlan:
     if seq.phase in (Phase.WAITING, Phase.PREFILL):
         return plan_prefill(seq, prefill_chunk)
     if seq.params.mode == "wedlm":
         return plan_wedlm(seq, mask_token_id)
     if seq.params.mode == "speculative":
-        return plan_speculative(seq, mask_token_id, max_positions, seq.params.draft)
+        return plan_speculative(seq, mask_token_id, max_positions, seq.params.draft, break_even)
     return plan_autoregressive(seq)
 
 

@@ -236,7 +236,12 @@ class Scheduler:
 
     def plan(self, seq: Sequence) -> RowPlan:
         """What `seq` contributes to its next forward (a decoding strategy's rule)."""
-        return plan_next(seq, self.mask_token_id, self.limits.prefill_chunk, self.max_positions)
+        limits = self.limits
+        rows = -(-len(self.running) // max(self.groups_count, 1))  # a decode group's size
+        break_even = self.step_cost.break_even(rows)
+        return plan_next(
+            seq, self.mask_token_id, limits.prefill_chunk, self.max_positions, break_even
+        )
 
     def apply(self, plan: RowPlan, row: int, fills, tokens, rows: int = 1) -> list[int]:
         """Apply row `row` of a forward of `rows` sequences to its sequence; the new tokens."""
