@@ -137,7 +137,8 @@ def local_run(local, prompts, params: GenerationParams, concurrency: int) -> tup
         wall += time.perf_counter() - t0
         records += [
             {"tokens": s.output, "forwards": s.forwards, "accepted": s.accepted,
-             "drafted": s.drafted, "decode_s": s.decode_s, "draft_forwards": s.draft_forwards}
+             "drafted": s.drafted, "decode_s": s.decode_s}
+            | ({"draft_forwards": s.draft_forwards} if params.mode == "speculative" else {})
             for s in seqs
         ]  # fmt: skip
     return records, wall

@@ -393,7 +393,7 @@ class Engine:
         if all(p.width == 1 for p in plans):
             if flight.started < last:  # launched ahead of the last one's read-back
                 self.step_cost.observe(AR, len(plans), done - last)
-        elif any(p.drafts or p.width > p.keep for p in plans):
+        elif any(p.width > p.keep for p in plans):  # drafts or mask slots
             self.step_cost.observe(DRAFT, len(plans), done - max(flight.started, last))
 
     def _launch_other(self, commits: list[Commit]) -> None:

@@ -35,7 +35,7 @@ def measure_step_cost(
     engine: Engine,
     rows: Iterable[int] | None = None,
     window: int = 8,
-    repeats: int = 8,
+    repeats: int = 4,
     rounds: int = 3,
 ) -> dict[int, float]:
     """Drafting forward / AR forward, per row bucket (default: every bucket up to the
