@@ -159,3 +159,4 @@ def test_metrics_are_exported(cluster):
     ):
         assert name in text, name
     assert "wedlm:generation_tokens_total 0.0" not in text
+    assert 'wedlm:draft_break_even{rows="1"}' in text  # warm-up off on CPU: 1.0 until timed

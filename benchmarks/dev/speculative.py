@@ -9,7 +9,10 @@ Phases (--phases):
           half of the layers + 1 worker, real processes). Per setting: decode tok/s (tokens
           after the first / decode time, medians over requests at C = 1, aggregate at C = 8),
           tokens per forward, drafts accepted per forward, and whether every output equals
-          AR's. The settings run interleaved, --repeats times.
+          AR's; the fraction of forwards that ran without drafts (one row, as AR). The
+          settings run interleaved, --repeats times. Before them the draft break-even (a
+          drafting forward's cost in AR forwards, step_timing.py) is measured at each C
+          (--break-even fixes it instead), and reported with its online refinement.
   lookup  The default model, rewrite / summarize / fix prompts (chat): AR against
           speculative mode with prompt-lookup drafts, one process, C = 1.
   draft   A random bf16 model of Qwen3-8B shape verifying drafts from a random model of
@@ -43,6 +46,7 @@ import mlx.core as mx
 from benchmarks.dev.bench_io import pyplot
 from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
+from coordinator.engine.step_timing import measure_step_cost
 
 WEDLM_MODEL = ROOT.parent / "shared" / "models" / "wedlm-smollm2-135m-r2"
 COUNTING = [
@@ -107,6 +111,10 @@ def summarize(records: list[dict], wall_s: float, concurrency: int) -> dict:
         if forwards
         else None,
         "drafted": sum(r["drafted"] for r in records),
+        # forwards of one row (AR's, launched ahead when the batch allows): drafts off
+        "ar_forward_fraction": round(1 - sum(r["draft_forwards"] for r in records) / forwards, 3)
+        if forwards and all("draft_forwards" in r for r in records)
+        else None,
         "accepted": sum(r["accepted"] for r in records),
     }
     if concurrency == 1:
@@ -130,6 +138,7 @@ def local_run(local, prompts, params: GenerationParams, concurrency: int) -> tup
         records += [
             {"tokens": s.output, "forwards": s.forwards, "accepted": s.accepted,
              "drafted": s.drafted, "decode_s": s.decode_s}
+            | ({"draft_forwards": s.draft_forwards} if params.mode == "speculative" else {})
             for s in seqs
         ]  # fmt: skip
     return records, wall
@@ -216,12 +225,22 @@ def phase_mask(args) -> dict:
     warm = GenerationParams(mode="speculative", draft="mask", max_tokens=8)
     first = next(iter(sets.values()))
     local_run(local, first, warm, 8)  # compile before timing
+    if args.break_even is None:  # measured here, as the server's warm-up measures it
+        ratios = measure_step_cost(local.engine, args.concurrency, args.window)
+    else:  # fixed (1.0: drafts pay whenever one is accepted)
+        ratios = {1: args.break_even}
+        local.engine.step_cost.seed(ratios)
+        local.engine.step_cost.online = False
+    result["break_even_measured"] = {str(r): round(v, 3) for r, v in ratios.items()}
+    log(f"mask: draft break-even by rows {result['break_even_measured']}")
     for c in args.concurrency:
         for name, prompts in sets.items():
             log(f"mask: one process, C={c}, {name}")
             result[f"one_process/C{c}/{name}"] = run_settings(
                 lambda p, s, cc: local_run(local, p, s, cc), prompts, settings, c, args.repeats
             )
+    # refined online from the runs' own forwards (step_cost.py)
+    result["break_even_after"] = {str(r): v for r, v in local.engine.step_cost.describe().items()}
     local = None  # one serving process at a time: free this one's memory first
     mx.clear_cache()
     if args.stages:
@@ -352,6 +371,12 @@ def main() -> None:
     p.add_argument("--lookup-max-tokens", type=int, default=128)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.6, 1.5])
+    p.add_argument(
+        "--break-even",
+        type=float,
+        default=None,
+        help="fixed draft break-even (default: measured at the start)",
+    )
     p.add_argument("--sets", nargs="+", default=["counting", "chat"], choices=["counting", "chat"])
     p.add_argument("--no-stages", dest="stages", action="store_false")
     p.add_argument("--gpus", type=int, default=0, help="GPUs for the 2-stage run (0: shared)")

@@ -40,6 +40,7 @@ from coordinator.engine.sampling import greedy_tokens, sample_tokens
 from coordinator.engine.scheduler import PREFILL, Commit, Limits, Scheduler, Unit
 from coordinator.engine.selection import entropy, select_fills
 from coordinator.engine.sequence import Phase, Sequence
+from coordinator.engine.step_cost import AR, DRAFT, StepCost
 from coordinator.engine.tick_batch import TickBatch, build_batch
 from coordinator.engine.wedlm_ahead import next_inputs
 
@@ -98,6 +99,7 @@ class Engine:
         # The model's EOS ids and the tokenizer's chat end tokens always stop.
         self.model_stop_ids = tuple(dict.fromkeys(self.config.eos_token_ids + tuple(stop_ids)))
         self.forwards = 0
+        self._last_done = 0.0  # when the last forward was read back (step_cost's clock)
         self.shapes = ForwardShapes()  # distinct forward shapes launched (bounded: shape_limits)
         self.undelivered: list[Commit] = []  # commits of a step that then failed
         self.drafter = None  # a DraftModel proposing speculative drafts (use_drafter)
@@ -127,6 +129,11 @@ class Engine:
         self.micro_batches = micro_batches
         self.scheduler.regroup(micro_batches)
         self._padding.clear()
+
+    @property
+    def step_cost(self) -> StepCost:
+        """The break-even of speculative drafts on this machine (step_cost.py)."""
+        return self.scheduler.step_cost
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -326,12 +333,13 @@ class Engine:
         if not rows or self.drafter is None:
             return plans
         seqs = [plans[i].seq for i in rows]
-        counts = [min(draft_room(s), s.params.max_tokens - len(s.output) - 1) for s in seqs]
+        be = self.step_cost.break_even(len(plans))
+        counts = [min(draft_room(s, be), s.params.max_tokens - len(s.output) - 1) for s in seqs]
         self.drafter.propose(seqs, counts)
         limit = self.config.max_position_embeddings
         plans = list(plans)
         for i, seq in zip(rows, seqs, strict=True):
-            plans[i] = plan_speculative(seq, self.config.mask_token_id, limit, "model")
+            plans[i] = plan_speculative(seq, self.config.mask_token_id, limit, "model", be)
         return plans
 
     def drop_padding(self) -> None:
@@ -375,7 +383,25 @@ class Engine:
             self._launch_other(commits)
         mx.eval(fills, tokens, *extra)  # the one host sync of this micro-batch
         self.forwards += 1
+        self._time_forward(flight)
         return Ran(flight, np.array(fills), np.array(tokens), ahead, logprobs)
+
+    def _time_forward(self, flight: InFlight) -> None:
+        """Feed step_cost a decode forward's wall time (one micro-batch at a time: with
+        several in flight the spans overlap): all one-row rows launched ahead (AR's
+        cost), or rows with drafts or mask slots (a drafting forward's)."""
+        done, last = time.perf_counter(), self._last_done
+        self._last_done = done
+        if self.micro_batches != 1 or flight.unit is PREFILL or flight.unresolved:
+            return
+        plans = flight.plans
+        if any(p.seq.phase is not Phase.DECODE or p.seq.params.mode == "wedlm" for p in plans):
+            return
+        if all(p.width == 1 for p in plans):
+            if flight.started < last:  # launched ahead of the last one's read-back
+                self.step_cost.observe(AR, len(plans), done - last)
+        elif any(p.width > p.keep for p in plans):  # drafts or mask slots
+            self.step_cost.observe(DRAFT, len(plans), done - max(flight.started, last))
 
     def _launch_other(self, commits: list[Commit]) -> None:
         """Another unit's micro-batch (a prompt chunk, another group) does not depend on
@@ -460,7 +486,8 @@ class Engine:
         plans = [flight.plans[i] for i in live]
         if not plans or flight.unit is PREFILL:
             return False
-        if not all(_ar_decoding(p.seq) or _drafting_nothing(p) for p in plans):
+        be = self.step_cost.break_even(len(plans))
+        if not all(_ar_decoding(p.seq) or _drafting_nothing(p, be) for p in plans):
             return False
         joiners = self.scheduler.joiners(flight.unit, plans)
         if joiners is None:
@@ -616,10 +643,14 @@ def _wedlm_decoding(plan: RowPlan) -> bool:
     return seq.phase is Phase.DECODE and seq.params.mode == "wedlm" and plan.head_slots.size > 0
 
 
-def _drafting_nothing(plan: RowPlan) -> bool:
+def _drafting_nothing(plan: RowPlan, break_even: float) -> bool:
     """A speculative decode row whose drafts are off for now (row_plan.drafts_off)."""
     seq = plan.seq
-    return seq.phase is Phase.DECODE and seq.params.mode == "speculative" and drafts_off(plan)
+    return (
+        seq.phase is Phase.DECODE
+        and seq.params.mode == "speculative"
+        and drafts_off(plan, break_even)
+    )
 
 
 def _ar_decoding(seq: Sequence) -> bool:

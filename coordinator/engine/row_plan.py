@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coordinator.engine.draft_policy import (  # noqa: F401 (PROBE_EVERY: the policy's)
+    PROBE_EVERY,
+    adapt_draft_limit,
+    draft_room,
+    drafts_off,
+)
 from coordinator.engine.prompt_lookup import prompt_lookup
 from coordinator.engine.sequence import Phase, Sequence
 
@@ -108,10 +114,13 @@ def plan_autoregressive(seq: Sequence) -> RowPlan:
 # drafts, conditioned on text that is now committed.
 
 
-def plan_speculative(seq: Sequence, mask_token_id: int, max_positions: int, source: str) -> RowPlan:
-    """The rows of one verifying forward; `source` is the resolved draft source."""
+def plan_speculative(
+    seq: Sequence, mask_token_id: int, max_positions: int, source: str, break_even: float = 1.0
+) -> RowPlan:
+    """The rows of one verifying forward; `source` is the resolved draft source,
+    `break_even` a drafting forward's cost in AR forwards (draft_policy.py)."""
     pending = np.asarray(seq.pending(), dtype=np.int32)
-    limit = draft_room(seq)
+    limit = draft_room(seq, break_even)
     remaining = seq.params.max_tokens - len(seq.output)
     room = max_positions - seq.kv_length - pending.size  # rows that fit in the context
     if source == "lookup":
@@ -140,9 +149,12 @@ def plan_speculative(seq: Sequence, mask_token_id: int, max_positions: int, sour
     )
 
 
-def accept_speculative(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> list[int]:
+def accept_speculative(
+    plan: RowPlan, fills: np.ndarray, tokens: np.ndarray, break_even: float = 1.0
+) -> list[int]:
     """The tokens this forward commits (the accepted drafts and one choice of the model's),
-    before stop checks; records the drafts and the next forward's mask-slot drafts."""
+    before stop checks; records the drafts, the next forward's mask-slot drafts, and adapts
+    the draft limit (draft_policy.py; `break_even`: a drafting forward's cost in AR ones)."""
     seq = plan.seq
     k = plan.drafts
     drafted = plan.tokens[plan.keep : plan.keep + k]
@@ -151,7 +163,7 @@ def accept_speculative(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> 
     n = int(np.argmin(matches)) if not matches.all() else k
     seq.drafted += k
     seq.accepted += n
-    adapt_draft_limit(seq, k, n)
+    seq.draft_forwards += plan.width > plan.keep
     masks = plan.head_slots.size - k - 1
     if n == k and masks > 1:
         # Mask slot 0 sits where the committed choice goes; slots 1.. are guesses for the
@@ -161,60 +173,32 @@ def accept_speculative(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> 
         seq.drafts = np.asarray(tokens[k + 2 : k + 2 + run], dtype=np.int32)
     else:
         seq.drafts = np.zeros(0, np.int32)
+    adapt_draft_limit(seq, k, n, break_even, plan.width - plan.keep)
     return [int(t) for t in drafted[:n]] + [int(choices[n])]
 
 
-# Drafts cost rows, and a forward that verifies drafts cannot be launched before the last one
-# is read back (engine._launch_ahead), so drafts that are not accepted make a request slower
-# than AR. Each request's draft limit follows its acceptance: doubled while every draft is
-# taken, cut to what was taken when fewer than half are, and at 0 the request decodes as AR
-# (one row, the AR look-ahead) with a one-draft probe every PROBE_EVERY forwards, so text
-# that becomes predictable again gets its drafts back.
-PROBE_EVERY = 8
-
-
-def adapt_draft_limit(seq: Sequence, drafted: int, accepted: int) -> None:
-    limit = seq.params.window if seq.draft_limit is None else seq.draft_limit
-    if drafted and accepted == drafted:
-        limit = max(1, 2 * limit)
-    elif drafted and 2 * accepted < drafted:
-        limit = accepted
-    elif not drafted and seq.forwards > 1:  # nothing confident enough to draft
-        limit //= 2
-    seq.draft_limit = min(limit, seq.params.window)
-
-
-def draft_room(seq: Sequence) -> int:
-    """How many drafts (and mask slots) `seq`'s next forward may carry."""
-    limit = seq.draft_limit
-    if limit is None:
-        return seq.params.window
-    if limit == 0 and (seq.forwards + 1) % PROBE_EVERY == 0:
-        return 1
-    return limit
-
-
-def drafts_off(plan: RowPlan) -> bool:
-    """Whether a speculative row, read back but not yet postprocessed, and its next forward
-    carry one row each (no drafts, no mask slots): the request then decodes as AR, and the
-    next forward may be AR's look-ahead (engine._launch_ahead)."""
-    seq = plan.seq
-    return seq.draft_limit == 0 and plan.width == 1 and (seq.forwards + 2) % PROBE_EVERY != 0
-
-
-def plan_next(seq: Sequence, mask_token_id: int, prefill_chunk: int, max_positions: int) -> RowPlan:
+def plan_next(
+    seq: Sequence,
+    mask_token_id: int,
+    prefill_chunk: int,
+    max_positions: int,
+    break_even: float = 1.0,
+) -> RowPlan:
     if seq.phase in (Phase.WAITING, Phase.PREFILL):
         return plan_prefill(seq, prefill_chunk)
     if seq.params.mode == "wedlm":
         return plan_wedlm(seq, mask_token_id)
     if seq.params.mode == "speculative":
-        return plan_speculative(seq, mask_token_id, max_positions, seq.params.draft)
+        return plan_speculative(seq, mask_token_id, max_positions, seq.params.draft, break_even)
     return plan_autoregressive(seq)
 
 
-def apply_result(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> tuple[list[int], Phase]:
+def apply_result(
+    plan: RowPlan, fills: np.ndarray, tokens: np.ndarray, break_even: float = 1.0
+) -> tuple[list[int], Phase]:
     """Postprocess one sequence after its forward: the tokens it committed, and the phase
-    it is in now (the scheduler sets it)."""
+    it is in now (the scheduler sets it). `break_even`: what a drafting forward costs in
+    AR forwards, for speculative rows (draft_policy.py)."""
     seq = plan.seq
     seq.kv_length += plan.keep
     before = len(seq.output)
@@ -238,7 +222,7 @@ def apply_result(plan: RowPlan, fills: np.ndarray, tokens: np.ndarray) -> tuple[
         seq.window_tokens = np.where(fills, tokens, plan.tokens[p:]).astype(np.int32)
         seq.window_filled = plan.filled[p:] | fills
     elif seq.params.mode == "speculative" and decoding:
-        end = seq.commit(accept_speculative(plan, fills, tokens))
+        end = seq.commit(accept_speculative(plan, fills, tokens, break_even))
     else:
         end = seq.commit([int(tokens[0])])
     return seq.output[before:], end or Phase.DECODE

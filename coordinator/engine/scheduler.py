@@ -28,6 +28,7 @@ from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.prompt_sharing import forked, leaders_in_use, start_shared, waits
 from coordinator.engine.row_plan import RowPlan, apply_result, plan_next
 from coordinator.engine.sequence import Phase, Sequence
+from coordinator.engine.step_cost import StepCost
 
 __all__ = ["PREFILL", "Commit", "Limits", "QueueFull", "Scheduler", "Unit"]
 
@@ -47,7 +48,6 @@ Unit = Prefill | int  # what a micro-batch belongs to: the prefill turn or a dec
 
 class QueueFull(WedlmError):
     """The waiting queue is at its limit (requests or prompt tokens)."""
-
 
 
 @dataclass
@@ -71,6 +71,8 @@ class Scheduler:
     decode_forwards: int = 0  # decode micro-batches completed (the clock of prefill_hold)
     # n > 1 choices fork their leader's prompt rows (prompt_sharing.py)
     shares_prompts: ClassVar[bool] = True
+    # what a drafting forward costs in AR forwards: the break-even of speculative drafts
+    step_cost: StepCost = field(default_factory=StepCost)
     _turn: int = 0
     _held_since: dict[int, int] = field(default_factory=dict)  # seq id → decode_forwards
 
@@ -239,12 +241,18 @@ class Scheduler:
 
     def plan(self, seq: Sequence) -> RowPlan:
         """What `seq` contributes to its next forward (a decoding strategy's rule)."""
-        return plan_next(seq, self.mask_token_id, self.limits.prefill_chunk, self.max_positions)
+        limits = self.limits
+        rows = -(-len(self.running) // max(self.groups_count, 1))  # a decode group's size
+        break_even = self.step_cost.break_even(rows)
+        return plan_next(
+            seq, self.mask_token_id, limits.prefill_chunk, self.max_positions, break_even
+        )
 
-    def apply(self, plan: RowPlan, row: int, fills, tokens) -> list[int]:
-        """Apply row `row` of a forward's results to its sequence; the new tokens."""
+    def apply(self, plan: RowPlan, row: int, fills, tokens, rows: int = 1) -> list[int]:
+        """Apply row `row` of a forward of `rows` sequences to its sequence; the new tokens."""
         k = plan.head_slots.size
-        new, plan.seq.phase = apply_result(plan, fills[row, :k], tokens[row, :k])
+        break_even = self.step_cost.break_even(rows)
+        new, plan.seq.phase = apply_result(plan, fills[row, :k], tokens[row, :k], break_even)
         return new
 
     def prefill_pending(self) -> list[Sequence]:
@@ -313,7 +321,7 @@ class Scheduler:
             if seq.finished:  # cancelled while its forward was in flight
                 continue
             was_prefill = seq.phase is Phase.PREFILL
-            new = self.apply(plan, i, fills, tokens)
+            new = self.apply(plan, i, fills, tokens, len(plans))
             if was_prefill and seq.decode_started is None:  # the prompt, not a rebuild
                 seq.prefill_started = seq.prefill_started or started
                 seq.prefill_s = done_at - seq.prefill_started

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from common.generation_params import GenerationParams
+from coordinator.engine.draft_policy import DraftState
 from coordinator.engine.prefix_cache import PrefixHit
 
 
@@ -55,9 +56,11 @@ class Sequence:
     # Speculative mode: the drafts its next forward verifies, and what became of drafts
     drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     drafted: int = 0  # draft tokens verified so far
+    draft_forwards: int = 0  # forwards that carried drafts or mask slots (the rest: AR's)
     # How many drafts its next forward may verify, adapted to its recent acceptance
-    # (row_plan.adapt_draft_limit); None: the window, until a forward has been verified.
+    # and its cost (draft_policy.py); None: the window, until a forward has been verified.
     draft_limit: int | None = None
+    draft_state: DraftState = field(default_factory=DraftState)  # gain EMA, probe back-off
     accepted: int = 0  # of which equalled the model's own choice (committed)
     forwards: int = 0  # forwards that produced tokens for this sequence
     canvas: Any = None  # diffusion mode: the canvas being denoised (diffusion/canvas.py)

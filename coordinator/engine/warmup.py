@@ -30,6 +30,7 @@ from coordinator.engine.forward_shapes import (
 )
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sequence import Sequence
+from coordinator.engine.step_timing import measure_step_cost
 from coordinator.engine.tick_batch import TickBatch, build_batch
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ def warm_up(
     windows: Iterable[int] = (16,),
     prefill: bool = True,
     bursts: bool = True,
+    timing: bool = True,
 ) -> WarmUpReport:
     """Run the first shapes of the bounded set once. Call on the thread that owns MLX, while
     no forward is in flight (before serving, or right after a re-plan).
@@ -68,7 +70,9 @@ def warm_up(
     prefill: also warm the padded prompt chunk widths at the first span; bursts: then, if
     the engine is idle (not after a re-plan, when live sequences re-prefill), run short real
     requests through it, AR and WeDLM mixed, at each row bucket: what a first burst runs
-    besides the forwards (KV regathered as rows join and leave, the mixed head path)."""
+    besides the forwards (KV regathered as rows join and leave, the mixed head path);
+    timing: then measure what a drafting forward costs against an AR one (step_timing.py),
+    the break-even of speculative drafts, logged and kept in engine.step_cost."""
     assert not engine.in_flight, "warm up while no forward is in flight"
     started = time.perf_counter()
     warmer = _Warmer(engine)
@@ -86,6 +90,8 @@ def warm_up(
             _bursts(engine, buckets, next(iter(windows), 16), warmer.wedlm)
         finally:
             engine.scheduler.cache = cache
+    if timing:
+        measure_step_cost(engine, buckets)  # the break-even of speculative drafts
     report = WarmUpReport(
         forwards=warmer.forwards,
         shapes=len(warmer.keys),

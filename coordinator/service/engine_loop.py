@@ -380,6 +380,9 @@ class EngineLoop(threading.Thread):
         m.kv_rows.set(sum(s.kv_length for s in engine.running))
         m.in_flight.set(len(engine.in_flight))
         m.forward_shapes.set(engine.shapes.count)
+        cost = engine.step_cost  # measured at warm-up, refined online; nothing known: 1.0
+        for rows, ratio in (cost.describe() or {1: cost.break_even(1)}).items():
+            m.draft_break_even.labels(str(rows)).set(ratio)
         for link in getattr(engine.pipeline, "links", []):
             for value in link.stats.drain_new():
                 m.worker_compute.labels(link.address).observe(value)

@@ -23,6 +23,12 @@ class Metrics:
         self.forward_shapes = Gauge(
             "wedlm:forward_shapes", "Distinct forward shapes run so far.", registry=r
         )
+        self.draft_break_even = Gauge(
+            "wedlm:draft_break_even",
+            "A drafting forward's cost in AR forwards (speculative drafts pay above it), by rows.",
+            ["rows"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("wedlm:prompt_tokens", "Prefilled prompt tokens.", registry=r)
         self.prompt_tokens_computed = Counter(
             "wedlm:prompt_tokens_computed",

@@ -96,7 +96,9 @@ class CanvasScheduler(Scheduler):
         seq.canvas = new_canvas(length, steps, settings.vocab_size, stream)
 
     # ---- results -------------------------------------------------------------------
-    def apply(self, plan: RowPlan, row: int, results: CanvasResults, _unused) -> list[int]:
+    def apply(
+        self, plan: RowPlan, row: int, results: CanvasResults, _unused, _rows: int = 1
+    ) -> list[int]:
         seq = plan.seq
         seq.kv_length += plan.keep
         if seq.phase is not Phase.DECODE:
