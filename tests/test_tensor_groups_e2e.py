@@ -219,3 +219,26 @@ def test_heads_that_do_not_divide_fall_back_to_a_pipeline(dense, dense_expected)
         assert run_streams(address, 4, 48) == dense_expected[:4]
     finally:
         stop_all([*workers.values(), coord])
+
+
+def test_a_member_lost_during_warm_up_plans_again(dense, dense_expected):
+    """The coordinator's group loses its worker while warming up (--warm-up on, which a
+    GPU runs by default): the coordinator plans again without it and serves, rather than
+    ending with the warm-up's error."""
+    name = cluster_name()
+    worker, addr = start_worker(dense, name, "--no-bonjour", env=WORKER_ENV)
+    coord, address = start_coordinator(dense, name, "--no-bonjour", "--worker", addr,
+                                       "--expect", "1", "--tp", "2", "--warm-up", "on",
+                                       env=WORKER_ENV)  # fmt: skip
+    try:
+        coord.expect("plan 1", timeout=180)
+        time.sleep(3)  # into the warm-up's forwards
+        worker.popen.kill()
+        coord.expect("warm-up stopped, a stage was lost", timeout=120)
+        coord.expect("serving", timeout=180)
+        status = status_of(address)
+        assert status.local_layers == "0-3"
+        assert all(w.info.group_size == 0 for w in status.workers)
+        assert run_streams(address, 4, 48) == dense_expected[:4]
+    finally:
+        stop_all([worker, coord])

@@ -68,6 +68,7 @@ class GroupMember:
         self.spec = spec
         self.layer_range = layer_range
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._read_error = ""
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "common.tensor_group.process"],
             stdin=subprocess.PIPE,
@@ -110,7 +111,10 @@ class GroupMember:
         try:
             while True:
                 self._replies.put(read_frame(self._proc.stdout))
-        except (PipeClosed, OSError, ValueError):
+        except PipeClosed:
+            self._replies.put(None)
+        except (OSError, ValueError) as e:  # not a frame: said in the error
+            self._read_error = f" (its answer could not be read: {type(e).__name__}: {e})"
             self._replies.put(None)
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -130,7 +134,11 @@ class GroupMember:
             ) from None
         if reply is None:
             self.stop()
-            raise GroupFailed(self._lost(f"its group process ended while {doing}"), code)
+            ended = self._proc.returncode
+            how = (f" (signal {-ended})" if ended < 0 else f" (exit code {ended})") if ended else ""
+            raise GroupFailed(
+                self._lost(f"its group process ended while {doing}{how}{self._read_error}"), code
+            )
         return reply
 
     def _lost(self, what: str) -> str:

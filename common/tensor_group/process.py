@@ -251,8 +251,13 @@ def main() -> int:
     _end_with_parent()
     if LAUNCH_EVERY is not None:
         model_parts.LAUNCH_EVERY = int(LAUNCH_EVERY)
-    src, out = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing but frames on the pipe
+    # Nothing but frames on the pipe: they go out on a descriptor of their own, and file
+    # descriptor 1 becomes stderr, so what C++ code writes to stdout (MLX's backends,
+    # NCCL) cannot corrupt a frame.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    src = sys.stdin.buffer
     try:
         init = read_frame(src)
         member = Member(init, out)

@@ -26,6 +26,7 @@ from common.generation_params import GenerationParams
 from common.grpc_services import MESSAGE_LIMIT, add_service, enable_reflection
 from common.kv_format import FULL, KVFormat
 from common.layer_range import LayerRange
+from common.layer_runner import RowsError
 from common.layer_sizes import compute_dtype, kv_bytes_per_token
 from common.mlx_thread_exit import release_mlx_thread
 from common.model_parts import load_model_parts
@@ -311,7 +312,7 @@ class CoordinatorServer:
             pipeline, micro_batches = self._first_plan()
             self.engine.use_pipeline(pipeline, micro_batches)
             self._set_kv_budget()
-            self.warm_up()
+            self._warm_up_or_replan()
             if self._stopping.is_set():  # stop() came during the plan: start no engine thread
                 raise WedlmError("stopped while planning")
             self.loop = EngineLoop(
@@ -383,6 +384,18 @@ class CoordinatorServer:
             "warmed %d shapes in %.1f s (%d forwards)",
             report.shapes, report.seconds, report.forwards,
         )  # fmt: skip
+
+    def _warm_up_or_replan(self) -> None:
+        """Warm up; a stage lost during it (a worker, a tensor group's process) is lost as
+        in serving: plan again over what answers, and serve without the warm-up."""
+        try:
+            self.warm_up()
+        except (WedlmError, WorkerCallError, RowsError) as e:
+            log.warning("warm-up stopped, a stage was lost: %s; planning again", e)
+            result = self.recover(e)
+            if result is None:
+                raise WedlmError(f"no pipeline after a stage was lost in warm-up: {e}") from e
+            self.engine.restart_on(*result)
 
     def _resume(self) -> None:
         """After a re-plan, on the engine thread: serve. No warm-up here: it would hold

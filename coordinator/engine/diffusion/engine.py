@@ -83,7 +83,11 @@ class DiffusionEngine(Engine):
                 f"context of {limit} positions"
             )
 
-    def submit(self, prompt: list[int], params: GenerationParams) -> Sequence:
+    def submit(
+        self, prompt: list[int], params: GenerationParams, shares_with: Sequence | None = None
+    ) -> Sequence:
+        """`shares_with` (another choice of an n > 1 request) is not used: a diffusion
+        model's choices each prefill their prompt (its scheduler shares no prompt rows)."""
         params = self.resolve_mode(params)
         self.validate_prompt(prompt, params)
         params = replace(params, extra_stop_ids=self.model_stop_ids)
