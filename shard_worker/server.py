@@ -15,7 +15,7 @@ from common import host_info
 from common.call_auth import PROTOCOL_VERSION, ClusterAuthInterceptor
 from common.discovery_record import WorkerAdvert
 from common.errors import WedlmError
-from common.grpc_services import add_service
+from common.grpc_services import SERVER_PING_POLICY, add_service
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
@@ -42,8 +42,7 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second worker on a taken port must fail, not share it
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    *SERVER_PING_POLICY,
 ]
 
 

@@ -23,7 +23,12 @@ from common import host_info
 from common.call_auth import ClusterAuthInterceptor
 from common.errors import WedlmError
 from common.generation_params import GenerationParams
-from common.grpc_services import MESSAGE_LIMIT, add_service, enable_reflection
+from common.grpc_services import (
+    MESSAGE_LIMIT,
+    SERVER_PING_POLICY,
+    add_service,
+    enable_reflection,
+)
 from common.kv_format import FULL, KVFormat
 from common.layer_range import LayerRange
 from common.layer_runner import RowsError
@@ -213,9 +218,7 @@ class CoordinatorServer:
                 # dials, with their own 256 MB limit). A larger message is refused before
                 # it is read whole, with RESOURCE_EXHAUSTED naming the limit.
                 ("grpc.max_receive_message_length", self.max_request_bytes),
-                # workers' fetch channels ping every 10 s, also between calls
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                *SERVER_PING_POLICY,  # workers' fetch channels ping every 10 s
             ],
             interceptors=interceptors,
         )
