@@ -112,3 +112,49 @@ def test_constrained_wedlm_commits_several_tokens_per_forward(trained):
     (seq,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
     assert re.fullmatch(r" (\d+, )+\d*,? ?", trained.tokenizer.decode(seq.output))
     assert len(seq.output) / seq.forwards > 2, (len(seq.output), seq.forwards)
+
+
+@pytest.mark.parametrize("mode", ["ar", "speculative", "wedlm"])
+def test_masks_filled_ahead_equal_inline(local, monkeypatch, mode):
+    """The engine fills a forward's masks on the grammars' thread as soon as its matchers
+    are advanced (engine._start_fill); the tokens are those of the fill done inline, and
+    no forward falls back to the inline fill."""
+    from coordinator.engine import constrained
+
+    inline_calls = []
+    serial = constrained.mask_logits
+    monkeypatch.setattr(constrained, "mask_logits", lambda *a: inline_calls.append(1) or serial(*a))
+    prompts = _prompts(local, 6, f"ahead-{mode}")
+    kw = {"mode": mode, "grammar": GRAMMAR, "max_tokens": 60, "seed": 7}
+    for temperature in (0.0, 1.0):
+        ahead = _run(local, prompts, temperature=temperature, **kw)
+        assert not inline_calls
+        local.engine.fill_ahead = False
+        try:
+            inline = _run(local, prompts, temperature=temperature, **kw)
+        finally:
+            local.engine.fill_ahead = True
+        assert inline_calls  # the inline path ran
+        inline_calls.clear()
+        assert [s.output for s in ahead] == [s.output for s in inline]
+        for seq in ahead:
+            jsonschema.validate(_json(local, seq), SCHEMA)
+
+
+def test_apply_masks_expands_each_slots_bits():
+    """apply_masks against numpy's unpacking of the same table (a vocabulary that is not a
+    multiple of 32, slots naming various table rows)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from coordinator.engine.constrained import Masks, apply_masks
+
+    rng = np.random.default_rng(0)
+    v = 70
+    table = rng.integers(-(2**31), 2**31, size=(4, 3), dtype=np.int64).astype(np.int32)
+    index = rng.integers(0, 4, size=(3, 2)).astype(np.int32)
+    logits = rng.standard_normal((3, 2, v)).astype(np.float32)
+    out = np.array(apply_masks(Masks(table, index), mx.array(logits)))
+    bits = np.unpackbits(table.view(np.uint8), bitorder="little").reshape(4, -1)[:, :v]
+    allowed = bits[index].astype(bool)
+    assert np.array_equal(out, np.where(allowed, logits, -np.inf))

@@ -13,6 +13,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -105,6 +106,10 @@ class Engine:
         self.drafter = None  # a DraftModel proposing speculative drafts (use_drafter)
         self._warned: set[str] = set()  # modes whose mode_warning was logged
         self.grammars: constrained.Grammars | None = None  # structured output (use_grammars)
+        # The mask fill of the oldest forward in flight, started on the grammars' thread
+        # once its matchers are advanced (_start_fill); False: filled inline in _choose.
+        self.fill_ahead = True
+        self._fill: tuple[int, Future[constrained.Masks]] | None = None
 
     def _new_scheduler(
         self, limits: Limits, micro_batches: int, prefix_cache: PrefixCache | None
@@ -290,6 +295,7 @@ class Engine:
             )
         if ran.ahead and self.in_flight and self.in_flight[-1].unresolved:
             self._resolve_ahead(self.in_flight[-1], commits)
+        self._start_fill()  # the next forward's matchers have taken this one's tokens
         return commits
 
     def _retire(self) -> None:
@@ -322,6 +328,36 @@ class Engine:
             if plan.seq.prefix is not None:
                 plan.seq.prefix.sent = True
         self.in_flight.append(InFlight(batch_id, unit, plans, batch, started))
+        self._start_fill()
+
+    def _start_fill(self) -> None:
+        """Start filling the grammar masks of the oldest forward in flight on the grammars'
+        thread, where its plans are known and its matchers have taken every committed
+        token: the fill (llguidance, without the GIL) then overlaps this thread's work
+        until _choose applies it. Nothing else touches those matchers meanwhile: advance
+        runs after that forward's _complete has taken the fill."""
+        if self.grammars is None or not self.fill_ahead or self._fill is not None:
+            return
+        if not self.in_flight or self.in_flight[0].batch is None:
+            return  # an unresolved look-ahead: started once _resolve_ahead names its plans
+        flight = self.in_flight[0]
+        k = flight.batch.head_slots.shape[1]
+        job = constrained.mask_job(flight.plans, k, self.config.vocab_size) if k else None
+        if job is not None:
+            future = self.grammars.filler.submit(
+                constrained.fill_masks, job, self.grammars.executor
+            )
+            self._fill = (flight.batch_id, future)
+
+    def _take_fill(self, batch_id: int) -> Future[constrained.Masks] | None:
+        """The fill started for forward `batch_id`, if any. One started for a forward that
+        was dropped since (a restart) is waited for: its matchers are then left alone."""
+        pending, self._fill = self._fill, None
+        if pending is None or pending[0] == batch_id:
+            return pending and pending[1]
+        with contextlib.suppress(Exception):
+            pending[1].result()
+        return None
 
     def _with_model_drafts(self, plans: list[RowPlan]) -> list[RowPlan]:
         """Rows drafting with the draft model get its proposals, then are planned again
@@ -365,13 +401,15 @@ class Engine:
         """Run the oldest micro-batch to its tokens: collect its hidden states, head,
         selection and sampling, one host sync. The next forward goes to the device before
         the sync (the look-ahead, or another unit's micro-batch)."""
+        self._start_fill()
         flight = self.in_flight.popleft()
+        fill = self._take_fill(flight.batch_id)
         batch_id, hidden = self.pipeline.collect()
         assert batch_id == flight.batch_id, "micro-batches complete in order"
         if flight.unresolved:  # a look-ahead WeDLM forward returned every slot
             rows = len(flight.plans)
             hidden = select_slots(hidden[:rows], flight.batch.head_slots)
-        fills, tokens, logprobs = self._select(flight.batch, hidden)
+        fills, tokens, logprobs = self._select(flight.batch, hidden, fill)
         # Queue this step's selection before the look-ahead forward: the device runs its
         # work in order, so the sync below then waits for step t only, not for t+1.
         extra = logprobs.arrays() if logprobs is not None else []
@@ -525,20 +563,23 @@ class Engine:
         return True
 
     def _select(
-        self, batch: TickBatch, hidden: mx.array
+        self, batch: TickBatch, hidden: mx.array, fill: Future[constrained.Masks] | None = None
     ) -> tuple[mx.array, mx.array, token_logprobs.SlotLogprobs | None]:
         """Head on the needed rows, selection and sampling on the device, left lazy, and
         the logprobs of rows that ask. Only what the batch needs is built: every op here
         sits between two forwards on the device, so a greedy autoregressive batch pays for
-        the head and an argmax only."""
+        the head and an argmax only. `fill`: the batch's grammar masks, being filled
+        (_start_fill); without it they are filled here."""
         rows = len(batch.plans)
         if not batch.wants_head:
             return mx.zeros((rows, 0), mx.bool_), mx.zeros((rows, 0), mx.int32), None
         logits = self.parts.head(hidden[:rows])  # the pipeline returned the head slots only
-        fills, tokens = self._choose(batch, logits)
+        fills, tokens = self._choose(batch, logits, fill)
         return fills, tokens, token_logprobs.slot_logprobs(batch.plans, logits, tokens)
 
-    def _choose(self, batch: TickBatch, logits: mx.array) -> tuple[mx.array, mx.array]:
+    def _choose(
+        self, batch: TickBatch, logits: mx.array, fill: Future[constrained.Masks] | None = None
+    ) -> tuple[mx.array, mx.array]:
         """Selection (which slots fill) and sampling (with which tokens)."""
         if batch.any_selection or batch.any_sampling:
             logits = logits.astype(mx.float32)  # entropy and sampling work in float32
@@ -556,7 +597,9 @@ class Engine:
             fills = is_mask
         # after selection, which reads the raw logits' entropies
         logits = logit_bias.adjust_logits(batch.plans, logits)
-        if self.grammars is not None:
+        if fill is not None:  # the last thing before sampling: the fill had the longest
+            logits = constrained.apply_masks(fill.result(), logits)
+        elif self.grammars is not None:
             logits = constrained.mask_logits(batch.plans, logits, self.grammars.executor)
         if not batch.any_sampling:
             return fills, greedy_tokens(logits)
