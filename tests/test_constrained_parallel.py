@@ -158,3 +158,54 @@ def test_apply_masks_expands_each_slots_bits():
     bits = np.unpackbits(table.view(np.uint8), bitorder="little").reshape(4, -1)[:, :v]
     allowed = bits[index].astype(bool)
     assert np.array_equal(out, np.where(allowed, logits, -np.inf))
+
+
+def _spy(monkeypatch, obj, name: str) -> list:
+    """Record what obj.name returns (and still run it)."""
+    calls = []
+    inner = getattr(obj, name)
+
+    def spy(*args):
+        calls.append(inner(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(obj, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_wedlm_ahead_equals_serial(local, monkeypatch, temperature):
+    """Constrained WeDLM rows are launched ahead (engine._launch_wedlm_ahead); where the
+    grammar then cuts a run that forward was built from, it is dropped and launched again
+    (engine._drop_ahead). Tokens and forwards equal those of never launching them ahead."""
+    engine = local.engine
+    launched = _spy(monkeypatch, engine, "_launch_wedlm_ahead")
+    dropped = _spy(monkeypatch, engine, "_drop_ahead")
+    prompts = _prompts(local, 6, f"wedlm-ahead-{temperature}")
+    kw = {"mode": "wedlm", "grammar": GRAMMAR, "max_tokens": 80, "seed": 9}
+    ahead = _run(local, prompts, temperature=temperature, **kw)
+    assert any(launched) and dropped  # both paths ran
+    engine.constrained_ahead = False
+    try:
+        serial = _run(local, prompts, temperature=temperature, **kw)
+    finally:
+        engine.constrained_ahead = True
+    assert [s.output for s in ahead] == [s.output for s in serial]
+    assert [s.forwards for s in ahead] == [s.forwards for s in serial]
+    for seq in ahead:
+        jsonschema.validate(_json(local, seq), SCHEMA)
+
+
+def test_constrained_wedlm_ahead_keeps_parallel_commits(trained, monkeypatch):
+    """On the WeDLM-trained checkpoint counting under a grammar of counting, the look-ahead
+    runs and the output and forwards are those without it."""
+    launched = _spy(monkeypatch, trained.engine, "_launch_wedlm_ahead")
+    grammar = llguidance.LLMatcher.grammar_from_regex(r" (\d+, )+\d+")
+    (ahead,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
+    assert sum(launched) > 1
+    trained.engine.constrained_ahead = False
+    try:
+        (serial,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
+    finally:
+        trained.engine.constrained_ahead = True
+    assert (ahead.output, ahead.forwards) == (serial.output, serial.forwards)

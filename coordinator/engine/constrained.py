@@ -105,9 +105,9 @@ def _fill_job(
     """The fill of a constrained row's slots (`prefixes` nested, each one longer; `stops`
     its stop ids): its matcher advanced through the first prefix (rolled back after the
     fill), and the job (matcher, first table row, drafts) whose masks go to table rows
-    row, row + 1, ...: the state after the first prefix, then after each further token the grammar allows
-    (stopping at the first it forbids or a stop token: a slot after one is never
-    committed). Returns (job or None, tokens consumed, slots filled)."""
+    row, row + 1, ...: the state after the first prefix, then after each further token
+    the grammar allows (stopping at the first it forbids or a stop token: a slot after
+    one is never committed). Returns (job or None, tokens consumed, slots filled)."""
     base, drafts = prefixes[0], prefixes[-1][len(prefixes[0]) :]
     if any(t in stops for t in base) or matcher.validate_tokens(base) < len(base):
         return None, 0, 0
@@ -203,11 +203,13 @@ def mask_logits(
     return logits if job is None else apply_masks(fill_masks(job, executor), logits)
 
 
-def advance(plans: list[RowPlan], before: list[int]) -> None:
+def advance(plans: list[RowPlan], before: list[int]) -> set[int]:
     """After postprocess: feed each constrained sequence's newly committed tokens to its
     matcher, then cut a WeDLM window's leading filled run (it commits with the next
     forward) at the first token the grammar forbids: that slot becomes a mask again, to
-    be chosen under the mask."""
+    be chosen under the mask. Returns the ids of the sequences whose run was cut (a
+    look-ahead forward built from their uncut window is stale)."""
+    cut = set()
     for plan, start in zip(plans, before, strict=True):
         seq: Sequence = plan.seq
         if seq.matcher is None or seq.finished:
@@ -221,6 +223,8 @@ def advance(plans: list[RowPlan], before: list[int]) -> None:
             if allowed < len(run):
                 seq.window_filled = seq.window_filled.copy()
                 seq.window_filled[allowed] = False
+                cut.add(seq.seq_id)
+    return cut
 
 
 def _allowed_run(matcher: llguidance.LLMatcher, run: list[int], eos: tuple[int, ...]) -> int:

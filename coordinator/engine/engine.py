@@ -60,6 +60,8 @@ class InFlight:
     # the host; its plans are named by `_resolve_ahead`, and the pipeline returns every
     # slot's hidden state (the head slots are taken once they are known).
     unresolved: bool = False
+    # A look-ahead forward whose inputs went stale (_drop_ahead): read back and discarded.
+    dropped: bool = False
 
 
 @dataclass
@@ -110,6 +112,10 @@ class Engine:
         # once its matchers are advanced (_start_fill); False: filled inline in _choose.
         self.fill_ahead = True
         self._fill: tuple[int, Future[constrained.Masks]] | None = None
+        # Constrained WeDLM rows are launched ahead too (the look-ahead is dropped when the
+        # grammar cuts a run it was built from); False: they never are (the serial path).
+        self.constrained_ahead = True
+        self._cut: set[int] = set()  # sequences whose run the grammar cut at the last step
 
     def _new_scheduler(
         self, limits: Limits, micro_batches: int, prefix_cache: PrefixCache | None
@@ -288,13 +294,17 @@ class Engine:
         commits = self.scheduler.postprocess(
             flight.unit, flight.plans, ran.fills, ran.tokens, flight.started, ran.ahead
         )
-        constrained.advance(flight.plans, before)
+        self._cut = constrained.advance(flight.plans, before)
         if ran.logprobs is not None:
             token_logprobs.record(
                 ran.logprobs, flight.plans, before, ran.tokens, ran.fills, window_steps
             )
         if ran.ahead and self.in_flight and self.in_flight[-1].unresolved:
-            self._resolve_ahead(self.in_flight[-1], commits)
+            ahead = self.in_flight[-1]
+            if self._cut & {p.seq.seq_id for p in ahead.plans}:
+                self._drop_ahead(ahead)
+            else:
+                self._resolve_ahead(ahead, commits)
         self._start_fill()  # the next forward's matchers have taken this one's tokens
         return commits
 
@@ -397,7 +407,7 @@ class Engine:
         self._padding[unit] = ids
         return sorted(ids)
 
-    def _complete(self, commits: list[Commit]) -> Ran:
+    def _complete(self, commits: list[Commit]) -> Ran | None:
         """Run the oldest micro-batch to its tokens: collect its hidden states, head,
         selection and sampling, one host sync. The next forward goes to the device before
         the sync (the look-ahead, or another unit's micro-batch)."""
@@ -406,6 +416,10 @@ class Engine:
         fill = self._take_fill(flight.batch_id)
         batch_id, hidden = self.pipeline.collect()
         assert batch_id == flight.batch_id, "micro-batches complete in order"
+        if flight.dropped:  # its unit launches again from the cut windows
+            self.scheduler.ahead_dropped(flight.unit)
+            self._schedule(commits)
+            return self._complete(commits) if self.in_flight else None
         if flight.unresolved:  # a look-ahead WeDLM forward returned every slot
             rows = len(flight.plans)
             hidden = select_slots(hidden[:rows], flight.batch.head_slots)
@@ -461,8 +475,9 @@ class Engine:
         plans = [flight.plans[i] for i in live]
         if not plans or not all(_wedlm_decoding(p) for p in plans):
             return False
-        if any(p.seq.matcher is not None for p in plans):
-            return False  # the host cuts a constrained window's run first (constrained.advance)
+        constrained_rows = {p.seq.seq_id for p in plans if p.seq.matcher is not None}
+        if constrained_rows and (not self.constrained_ahead or constrained_rows & self._cut):
+            return False  # the grammar cut a run at the last step: it may well cut again
         if self.scheduler.joiners(flight.unit, plans) != []:
             return False  # arrivals or departures: the next regular launch takes everyone
         slot_owed = len(self.in_flight) + 1 >= self.micro_batches
@@ -495,6 +510,13 @@ class Engine:
         # plans of step t stand in until _resolve_ahead names this forward's own
         self.in_flight.append(InFlight(batch_id, flight.unit, plans, None, started, True))
         return True
+
+    def _drop_ahead(self, flight: InFlight) -> None:
+        """The grammar cut a window's leading run (constrained.advance) that the look-ahead
+        forward was built from uncut: its inputs are not the window's. Nothing of it becomes
+        permanent; _complete reads it back, discards it, and launches the unit again."""
+        self.pipeline.keep([p.seq.seq_id for p in flight.plans], [0] * len(flight.plans))
+        flight.dropped = True
 
     def _resolve_ahead(self, flight: InFlight, commits: list[Commit]) -> None:
         """Step t is read back and postprocessed: the look-ahead forward's rows are now
