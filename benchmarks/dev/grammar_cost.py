@@ -13,10 +13,11 @@ token unconstrained and constrained, the overhead, tokens per decode forward of 
 the mask's own host time inside the window (constrained.fill_masks, the bitmask fill of
 every constrained row, which the engine runs on a thread overlapping its other work, and
 apply_masks, the upload and expansion queued on the device) per token and as a share of
-the window. --serial adds constrained runs with the fill inline (the path before it
-overlapped). Then the mask's host cost per token replayed over a schema-valid document
-prefix in a large vocabulary (--mask-tokenizer: SmolLM2's 49,152 tokens), one row and C
-rows filled together.
+the window, and the WeDLM look-ahead forwards dropped because the grammar cut a run
+they were built from. --serial adds constrained runs on the path before (the fill inline,
+constrained WeDLM rows never launched ahead). Then the mask's host cost per token
+replayed over a schema-valid document prefix in a large vocabulary (--mask-tokenizer:
+SmolLM2's 49,152 tokens), one row and C rows filled together.
 
   python benchmarks/dev/grammar_cost.py                      # r2 checkpoint, C = 1 and 32
   python benchmarks/dev/grammar_cost.py --dry-run            # seconds: tiny sizes, one run
@@ -89,11 +90,11 @@ def run(local, clock: MaskClock, concurrency: int, tokens: int, **kw) -> dict:
     clock.seconds = 0.0
     start = time.perf_counter()
     seqs = [engine.submit(p, params) for p in prompts]
-    first = last = None  # (time, tokens, forwards, mask seconds) at the window's ends
+    first = last = None  # (time, tokens, forwards, mask seconds, drops) at the window's ends
     while any(not s.finished for s in seqs):
         engine.step()
         now = (time.perf_counter(), sum(len(s.output) for s in seqs),
-               sum(s.forwards for s in seqs), clock.seconds)  # fmt: skip
+               sum(s.forwards for s in seqs), clock.seconds, engine.ahead_dropped)  # fmt: skip
         if first is None and all(s.output for s in seqs):
             first = now
         elif first is not None and last is None and any(s.finished for s in seqs):
@@ -101,12 +102,14 @@ def run(local, clock: MaskClock, concurrency: int, tokens: int, **kw) -> dict:
     wall = time.perf_counter() - start
     committed = sum(len(s.output) for s in seqs)
     if first is None or last is None or last[1] == first[1]:
-        first, last = (start, 0, 0, 0.0), (start + wall, committed, 1, clock.seconds)
+        first = (start, 0, 0, 0.0, 0)  # too short for a steady window: the whole run
+        last = (start + wall, committed, sum(s.forwards for s in seqs), clock.seconds, 0)
     seconds, count = last[0] - first[0], last[1] - first[1]
     return {"ms_per_token": 1000 * seconds / count, "tokens": count,
             "tokens_per_forward": round(count / max(last[2] - first[2], 1), 2),
             "mask_ms_per_token": 1000 * (last[3] - first[3]) / count,
             "mask_share_pct": 100 * (last[3] - first[3]) / seconds,
+            "dropped_lookaheads": last[4] - first[4],
             "e2e_ms_per_token": 1000 * wall / committed, "e2e_tokens": committed,
             "outputs": [s.output for s in seqs]}  # fmt: skip
 
@@ -121,8 +124,9 @@ def best(local, clock: MaskClock, repeats: int, *args, **kw) -> dict:
 def compare(local, clock: MaskClock, repeats: int, c: int, tokens: int, grammar: str,
             serial: bool, **kw) -> tuple[dict, list[list[int]]]:  # fmt: skip
     """Unconstrained against constrained decoding in one mode at concurrency c; with
-    `serial`, constrained with the masks filled inline too (the engine's fill_ahead off:
-    the path before the fill overlapped the host's other work)."""
+    `serial`, constrained on the path before issue 33's changes too (the engine's
+    fill_ahead and constrained_ahead off: masks filled inline, constrained WeDLM rows
+    never launched ahead)."""
     free = best(local, clock, repeats, c, tokens, **kw)
     held = best(local, clock, repeats, c, tokens, grammar=grammar, **kw)
     overhead = held["ms_per_token"] / free["ms_per_token"] - 1
@@ -135,18 +139,21 @@ def compare(local, clock: MaskClock, repeats: int, c: int, tokens: int, grammar:
            "e2e_ms_per_token": round(free["e2e_ms_per_token"], 3),
            "constrained_e2e_ms_per_token": round(held["e2e_ms_per_token"], 3),
            "mask_host_ms_per_token": round(held["mask_ms_per_token"], 4),
-           "mask_share_pct": round(held["mask_share_pct"], 1)}  # fmt: skip
+           "mask_share_pct": round(held["mask_share_pct"], 1),
+           "dropped_lookaheads": held["dropped_lookaheads"]}  # fmt: skip
     if serial:
-        local.engine.fill_ahead = False
+        engine = local.engine
+        engine.fill_ahead = engine.constrained_ahead = False
         try:
             inline = best(local, clock, repeats, c, tokens, grammar=grammar, **kw)
         finally:
-            local.engine.fill_ahead = True
+            engine.fill_ahead = engine.constrained_ahead = True
         out["serial_same_output"] = inline["outputs"] == held["outputs"]
         out["serial_constrained_ms_per_token"] = round(inline["ms_per_token"], 3)
         out["serial_overhead_pct"] = round(
             100 * (inline["ms_per_token"] / free["ms_per_token"] - 1), 1
         )
+        out["serial_constrained_tokens_per_forward"] = inline["tokens_per_forward"]
         out["serial_mask_share_pct"] = round(inline["mask_share_pct"], 1)
     return out, held["outputs"]
 
@@ -222,7 +229,7 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=None, help="WeDLM's (engine default)")
     quick = "tiny sizes (C = 1 and 2, 8 tokens, one run): check that it runs"
     ap.add_argument("--dry-run", action="store_true", help=quick)
-    serial = "also constrained with the masks filled inline (before the fill overlapped)"
+    serial = "also constrained on the path before (fill inline, WeDLM rows not ahead)"
     ap.add_argument("--serial", action="store_true", help=serial)
     args = ap.parse_args()
     if args.dry_run:

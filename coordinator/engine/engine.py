@@ -116,6 +116,7 @@ class Engine:
         # grammar cuts a run it was built from); False: they never are (the serial path).
         self.constrained_ahead = True
         self._cut: set[int] = set()  # sequences whose run the grammar cut at the last step
+        self.ahead_dropped = 0  # look-ahead forwards dropped (_drop_ahead), for benchmarks
 
     def _new_scheduler(
         self, limits: Limits, micro_batches: int, prefix_cache: PrefixCache | None
@@ -517,6 +518,7 @@ class Engine:
         permanent; _complete reads it back, discards it, and launches the unit again."""
         self.pipeline.keep([p.seq.seq_id for p in flight.plans], [0] * len(flight.plans))
         flight.dropped = True
+        self.ahead_dropped += 1
 
     def _resolve_ahead(self, flight: InFlight, commits: list[Commit]) -> None:
         """Step t is read back and postprocessed: the look-ahead forward's rows are now
