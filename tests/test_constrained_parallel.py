@@ -114,21 +114,36 @@ def test_constrained_wedlm_commits_several_tokens_per_forward(trained):
     assert len(seq.output) / seq.forwards > 2, (len(seq.output), seq.forwards)
 
 
+def _spy(monkeypatch, obj, name: str) -> list:
+    """Record what obj.name returns (and still run it)."""
+    calls = []
+    inner = getattr(obj, name)
+
+    def spy(*args):
+        calls.append(inner(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(obj, name, spy)
+    return calls
+
+
 @pytest.mark.parametrize("mode", ["ar", "speculative", "wedlm"])
 def test_masks_filled_ahead_equal_inline(local, monkeypatch, mode):
     """The engine fills a forward's masks on the grammars' thread as soon as its matchers
-    are advanced (engine._start_fill); the tokens are those of the fill done inline, and
-    no forward falls back to the inline fill."""
+    are advanced (engine._start_fill; an AR look-ahead's matchers take their tokens on that
+    thread too, before postprocess: engine._fill_early); the tokens are those of the fill
+    done inline, and no forward falls back to the inline fill."""
     from coordinator.engine import constrained
 
     inline_calls = []
     serial = constrained.mask_logits
     monkeypatch.setattr(constrained, "mask_logits", lambda *a: inline_calls.append(1) or serial(*a))
+    early = _spy(monkeypatch, constrained, "take_and_fill")  # AR: before postprocess
     prompts = _prompts(local, 6, f"ahead-{mode}")
     kw = {"mode": mode, "grammar": GRAMMAR, "max_tokens": 60, "seed": 7}
     for temperature in (0.0, 1.0):
         ahead = _run(local, prompts, temperature=temperature, **kw)
-        assert not inline_calls
+        assert not inline_calls and bool(early) == (mode == "ar")
         local.engine.fill_ahead = False
         try:
             inline = _run(local, prompts, temperature=temperature, **kw)
@@ -158,19 +173,6 @@ def test_apply_masks_expands_each_slots_bits():
     bits = np.unpackbits(table.view(np.uint8), bitorder="little").reshape(4, -1)[:, :v]
     allowed = bits[index].astype(bool)
     assert np.array_equal(out, np.where(allowed, logits, -np.inf))
-
-
-def _spy(monkeypatch, obj, name: str) -> list:
-    """Record what obj.name returns (and still run it)."""
-    calls = []
-    inner = getattr(obj, name)
-
-    def spy(*args):
-        calls.append(inner(*args))
-        return calls[-1]
-
-    monkeypatch.setattr(obj, name, spy)
-    return calls
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -182,6 +182,16 @@ def fill_masks(job: MaskJob, executor: llguidance.LLExecutor) -> Masks:
     return Masks(table[:used], index)
 
 
+def take_and_fill(
+    taken: list[tuple[llguidance.LLMatcher, int]], job: MaskJob, executor: llguidance.LLExecutor
+) -> Masks:
+    """Each matcher takes its row's committed token, then `job`'s masks are filled: an
+    autoregressive look-ahead's fill, started before postprocess (engine._fill_early)."""
+    for matcher, token in taken:
+        matcher.consume_tokens([token])
+    return fill_masks(job, executor)
+
+
 _BITS = mx.array([1 << b for b in range(32)], dtype=mx.uint32)
 
 
@@ -209,16 +219,19 @@ def mask_logits(
     return logits if job is None else apply_masks(fill_masks(job, executor), logits)
 
 
-def advance(plans: list[RowPlan], before: list[int]) -> set[int]:
+def advance(
+    plans: list[RowPlan], before: list[int], taken: frozenset[int] = frozenset()
+) -> set[int]:
     """After postprocess: feed each constrained sequence's newly committed tokens to its
     matcher, then cut a WeDLM window's leading filled run (it commits with the next
     forward) at the first token the grammar forbids: that slot becomes a mask again, to
     be chosen under the mask. Returns the ids of the sequences whose run was cut (a
-    look-ahead forward built from their uncut window is stale)."""
+    look-ahead forward built from their uncut window is stale). Sequences in `taken`
+    had their matcher take their tokens already (take_and_fill)."""
     cut = set()
     for plan, start in zip(plans, before, strict=True):
         seq: Sequence = plan.seq
-        if seq.matcher is None or seq.finished:
+        if seq.matcher is None or seq.finished or seq.seq_id in taken:
             continue
         new = seq.output[start:]
         if new:

@@ -116,6 +116,7 @@ class Engine:
         # grammar cuts a run it was built from); False: they never are (the serial path).
         self.constrained_ahead = True
         self._cut: set[int] = set()  # sequences whose run the grammar cut at the last step
+        self._taken: dict[int, int] = {}  # seq id -> the token its matcher took early
         self.ahead_dropped = 0  # look-ahead forwards dropped (_drop_ahead), for benchmarks
 
     def _new_scheduler(
@@ -295,7 +296,9 @@ class Engine:
         commits = self.scheduler.postprocess(
             flight.unit, flight.plans, ran.fills, ran.tokens, flight.started, ran.ahead
         )
-        self._cut = constrained.advance(flight.plans, before)
+        self._check_taken(flight.plans, before)
+        self._cut = constrained.advance(flight.plans, before, frozenset(self._taken))
+        self._taken = {}
         if ran.logprobs is not None:
             token_logprobs.record(
                 ran.logprobs, flight.plans, before, ran.tokens, ran.fills, window_steps
@@ -435,9 +438,54 @@ class Engine:
         if not ahead:
             self._launch_other(commits)
         mx.eval(fills, tokens, *extra)  # the one host sync of this micro-batch
+        host_tokens = np.array(tokens)
+        if ahead and not self.in_flight[-1].unresolved:
+            self._fill_early(flight, host_tokens)
         self.forwards += 1
         self._time_forward(flight)
-        return Ran(flight, np.array(fills), np.array(tokens), ahead, logprobs)
+        return Ran(flight, np.array(fills), host_tokens, ahead, logprobs)
+
+    def _fill_early(self, flight: InFlight, tokens: np.ndarray) -> None:
+        """The masks of an autoregressive look-ahead forward, started before this step's
+        postprocess: a constrained AR row commits its sampled token or finishes (and its
+        next row is never read), so its matcher takes the token on the grammars' thread,
+        which then fills the next forward's masks while postprocess runs here."""
+        if self.grammars is None or not self.fill_ahead or self._fill is not None:
+            return
+        nxt = self.in_flight[0]
+        if nxt is not self.in_flight[-1]:
+            return  # another micro-batch completes before the look-ahead
+        rows = [
+            (i, p.seq) for i, p in enumerate(flight.plans)
+            if p.seq.matcher is not None and not p.seq.finished and not p.seq.matcher.is_error()
+        ]  # fmt: skip
+        if not rows or any(seq.params.mode != "ar" for _, seq in rows):
+            return
+        job = constrained.mask_job(nxt.plans, nxt.batch.head_slots.shape[1], self.config.vocab_size)
+        if job is None:
+            return
+        self._taken = {seq.seq_id: int(tokens[i, 0]) for i, seq in rows}
+        taken = [(seq.matcher, self._taken[seq.seq_id]) for _, seq in rows]
+        future = self.grammars.filler.submit(
+            constrained.take_and_fill, taken, job, self.grammars.executor
+        )
+        self._fill = (nxt.batch_id, future)
+
+    def _check_taken(self, plans: list[RowPlan], before: list[int]) -> None:
+        """A row whose matcher took its token early (_fill_early) and then committed
+        something else without finishing (not expected: an AR row commits its token or
+        ends) gets its matcher corrected here, and the early fill is dropped."""
+        wrong = [
+            p.seq for p, start in zip(plans, before, strict=True)
+            if p.seq.seq_id in self._taken and not p.seq.finished
+            and p.seq.output[start:] != [self._taken[p.seq.seq_id]]
+        ]  # fmt: skip
+        if not wrong:
+            return
+        self._take_fill(-1)  # waited for, then dropped: the next forward fills inline
+        for seq in wrong:
+            seq.matcher.rollback(1)
+            del self._taken[seq.seq_id]
 
     def _time_forward(self, flight: InFlight) -> None:
         """Feed step_cost a decode forward's wall time (one micro-batch at a time: with
