@@ -112,3 +112,102 @@ def test_constrained_wedlm_commits_several_tokens_per_forward(trained):
     (seq,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
     assert re.fullmatch(r" (\d+, )+\d*,? ?", trained.tokenizer.decode(seq.output))
     assert len(seq.output) / seq.forwards > 2, (len(seq.output), seq.forwards)
+
+
+def _spy(monkeypatch, obj, name: str) -> list:
+    """Record what obj.name returns (and still run it)."""
+    calls = []
+    inner = getattr(obj, name)
+
+    def spy(*args):
+        calls.append(inner(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(obj, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["ar", "speculative", "wedlm"])
+def test_masks_filled_ahead_equal_inline(local, monkeypatch, mode):
+    """The engine fills a forward's masks on the grammars' thread as soon as its matchers
+    are advanced (engine._start_fill; an AR look-ahead's matchers take their tokens on that
+    thread too, before postprocess: engine._fill_early); the tokens are those of the fill
+    done inline, and no forward falls back to the inline fill."""
+    from coordinator.engine import constrained
+
+    inline_calls = []
+    serial = constrained.mask_logits
+    monkeypatch.setattr(constrained, "mask_logits", lambda *a: inline_calls.append(1) or serial(*a))
+    early = _spy(monkeypatch, constrained, "take_and_fill")  # AR: before postprocess
+    prompts = _prompts(local, 6, f"ahead-{mode}")
+    kw = {"mode": mode, "grammar": GRAMMAR, "max_tokens": 60, "seed": 7}
+    for temperature in (0.0, 1.0):
+        ahead = _run(local, prompts, temperature=temperature, **kw)
+        assert not inline_calls and bool(early) == (mode == "ar")
+        local.engine.fill_ahead = False
+        try:
+            inline = _run(local, prompts, temperature=temperature, **kw)
+        finally:
+            local.engine.fill_ahead = True
+        assert inline_calls  # the inline path ran
+        inline_calls.clear()
+        assert [s.output for s in ahead] == [s.output for s in inline]
+        for seq in ahead:
+            jsonschema.validate(_json(local, seq), SCHEMA)
+
+
+def test_apply_masks_expands_each_slots_bits():
+    """apply_masks against numpy's unpacking of the same table (a vocabulary that is not a
+    multiple of 32, slots naming various table rows)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from coordinator.engine.constrained import Masks, apply_masks
+
+    rng = np.random.default_rng(0)
+    v = 70
+    table = rng.integers(-(2**31), 2**31, size=(4, 3), dtype=np.int64).astype(np.int32)
+    index = rng.integers(0, 4, size=(3, 2)).astype(np.int32)
+    logits = rng.standard_normal((3, 2, v)).astype(np.float32)
+    out = np.array(apply_masks(Masks(table, index), mx.array(logits)))
+    bits = np.unpackbits(table.view(np.uint8), bitorder="little").reshape(4, -1)[:, :v]
+    allowed = bits[index].astype(bool)
+    assert np.array_equal(out, np.where(allowed, logits, -np.inf))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_wedlm_ahead_equals_serial(local, monkeypatch, temperature):
+    """Constrained WeDLM rows are launched ahead (engine._launch_wedlm_ahead); where the
+    grammar then cuts a run that forward was built from, it is dropped and launched again
+    (engine._drop_ahead). Tokens and forwards equal those of never launching them ahead."""
+    engine = local.engine
+    launched = _spy(monkeypatch, engine, "_launch_wedlm_ahead")
+    dropped = _spy(monkeypatch, engine, "_drop_ahead")
+    prompts = _prompts(local, 6, f"wedlm-ahead-{temperature}")
+    kw = {"mode": "wedlm", "grammar": GRAMMAR, "max_tokens": 80, "seed": 9}
+    ahead = _run(local, prompts, temperature=temperature, **kw)
+    assert any(launched) and dropped  # both paths ran
+    engine.constrained_ahead = False
+    try:
+        serial = _run(local, prompts, temperature=temperature, **kw)
+    finally:
+        engine.constrained_ahead = True
+    assert [s.output for s in ahead] == [s.output for s in serial]
+    assert [s.forwards for s in ahead] == [s.forwards for s in serial]
+    for seq in ahead:
+        jsonschema.validate(_json(local, seq), SCHEMA)
+
+
+def test_constrained_wedlm_ahead_keeps_parallel_commits(trained, monkeypatch):
+    """On the WeDLM-trained checkpoint counting under a grammar of counting, the look-ahead
+    runs and the output and forwards are those without it."""
+    launched = _spy(monkeypatch, trained.engine, "_launch_wedlm_ahead")
+    grammar = llguidance.LLMatcher.grammar_from_regex(r" (\d+, )+\d+")
+    (ahead,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
+    assert sum(launched) > 1
+    trained.engine.constrained_ahead = False
+    try:
+        (serial,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
+    finally:
+        trained.engine.constrained_ahead = True
+    assert (ahead.output, ahead.forwards) == (serial.output, serial.forwards)

@@ -2,14 +2,22 @@
 against unconstrained decoding on one model, single-process engine, C concurrent streams.
 Prints one JSON object.
 
+The schema is a long array of short strings, so a constrained answer cannot close before
+max_tokens and both runs decode the same number of tokens. Times are of the steady decode
+window (every row past its prompt, none finished: C rows in every forward, no prefill);
+the whole run's (e2e_*) are printed beside.
+
 Per C and mode (AR, and WeDLM on a model with a mask token): wall time per committed
-token unconstrained and constrained, the overhead, tokens per forward of both (constrained
-WeDLM keeps its parallel commits: coordinator/engine/constrained.py), and the mask's own
-host time inside those runs (constrained.mask_logits: the bitmask fill of every
-constrained row, its upload and expansion queued on the device) per token and as a share
-of the constrained run's wall time. Then the mask's host cost per token replayed over a
-schema-valid document in a large vocabulary (--mask-tokenizer: SmolLM2's 49,152 tokens),
-one row and C rows filled together.
+token unconstrained and constrained, the overhead, tokens per decode forward of both
+(constrained WeDLM keeps its parallel commits: coordinator/engine/constrained.py), and
+the mask's own host time inside the window (constrained.fill_masks, the bitmask fill of
+every constrained row, which the engine runs on a thread overlapping its other work, and
+apply_masks, the upload and expansion queued on the device) per token and as a share of
+the window, and the WeDLM look-ahead forwards dropped because the grammar cut a run
+they were built from. --serial adds constrained runs on the path before (the fill inline,
+constrained WeDLM rows never launched ahead). Then the mask's host cost per token
+replayed over a schema-valid document prefix in a large vocabulary (--mask-tokenizer:
+SmolLM2's 49,152 tokens), one row and C rows filled together.
 
   python benchmarks/dev/grammar_cost.py                      # r2 checkpoint, C = 1 and 32
   python benchmarks/dev/grammar_cost.py --dry-run            # seconds: tiny sizes, one run
@@ -30,40 +38,51 @@ from coordinator.engine import constrained
 from coordinator.engine.local_engine import open_local_engine
 from coordinator.http_api.response_format import JSON_OPTIONS
 
+# A long array of short strings: the JSON cannot close before max_tokens, so every
+# constrained row decodes as long as an unconstrained one and the mask's per-token cost is
+# measured over the same steps (a small schema closes early: fewer rows per step, prefill
+# spread over fewer tokens).
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 24},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "maxLength": 24},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        "items": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                  "minItems": 256},
     },
-    "required": ["name", "age", "city", "tags"],
+    "required": ["items"],
     "additionalProperties": False,
-}
+}  # fmt: skip
 PROMPTS = ["Describe a person as JSON.", "Give me a JSON record of a traveller.",
            "A JSON profile of a chess player, please.",
            "Invent a customer record in JSON."]  # fmt: skip
 
 
 class MaskClock:
-    """Host seconds spent in constrained.mask_logits (the engine calls it through the
-    module, once per forward that has a constrained row)."""
+    """Host seconds spent on the grammar masks: constrained.fill_masks (the matchers'
+    bitmasks; on the grammars' thread, overlapping the engine thread's work, unless the
+    engine fills inline) and apply_masks (upload, expansion queued). The engine calls
+    both through the module."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._inner = constrained.mask_logits
-        constrained.mask_logits = self._timed
+        for name in ("fill_masks", "apply_masks"):
+            setattr(constrained, name, self._timed(getattr(constrained, name)))
 
-    def _timed(self, *args, **kw):
-        t = time.perf_counter()
-        try:
-            return self._inner(*args, **kw)
-        finally:
-            self.seconds += time.perf_counter() - t
+    def _timed(self, inner):
+        def timed(*args, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        return timed
 
 
 def run(local, clock: MaskClock, concurrency: int, tokens: int, **kw) -> dict:
+    """One batch of `concurrency` requests. Timed over its steady decode window: from the
+    step after which every row has its first token (prefills done) to the step where the
+    first row finishes, so every step of it decodes all `concurrency` rows and nothing of
+    the prompts' forwards (TTFT) is counted."""
     engine, tokenizer = local.engine, local.tokenizer
     chat = tokenizer.has_chat_template
     prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)], chat=chat) for i in range(concurrency)]
@@ -71,15 +90,27 @@ def run(local, clock: MaskClock, concurrency: int, tokens: int, **kw) -> dict:
     clock.seconds = 0.0
     start = time.perf_counter()
     seqs = [engine.submit(p, params) for p in prompts]
-    for _ in engine.stream(seqs):
-        pass
+    first = last = None  # (time, tokens, forwards, mask seconds, drops) at the window's ends
+    while any(not s.finished for s in seqs):
+        engine.step()
+        now = (time.perf_counter(), sum(len(s.output) for s in seqs),
+               sum(s.forwards for s in seqs), clock.seconds, engine.ahead_dropped)  # fmt: skip
+        if first is None and all(s.output for s in seqs):
+            first = now
+        elif first is not None and last is None and any(s.finished for s in seqs):
+            last = now
     wall = time.perf_counter() - start
     committed = sum(len(s.output) for s in seqs)
-    forwards = sum(s.forwards for s in seqs)
-    return {"ms_per_token": 1000 * wall / committed, "tokens": committed,
-            "tokens_per_forward": round(committed / max(forwards, 1), 2),
-            "mask_ms_per_token": 1000 * clock.seconds / committed,
-            "mask_share_pct": 100 * clock.seconds / wall,
+    if first is None or last is None or last[1] == first[1]:
+        first = (start, 0, 0, 0.0, 0)  # too short for a steady window: the whole run
+        last = (start + wall, committed, sum(s.forwards for s in seqs), clock.seconds, 0)
+    seconds, count = last[0] - first[0], last[1] - first[1]
+    return {"ms_per_token": 1000 * seconds / count, "tokens": count,
+            "tokens_per_forward": round(count / max(last[2] - first[2], 1), 2),
+            "mask_ms_per_token": 1000 * (last[3] - first[3]) / count,
+            "mask_share_pct": 100 * (last[3] - first[3]) / seconds,
+            "dropped_lookaheads": last[4] - first[4],
+            "e2e_ms_per_token": 1000 * wall / committed, "e2e_tokens": committed,
             "outputs": [s.output for s in seqs]}  # fmt: skip
 
 
@@ -91,18 +122,40 @@ def best(local, clock: MaskClock, repeats: int, *args, **kw) -> dict:
 
 
 def compare(local, clock: MaskClock, repeats: int, c: int, tokens: int, grammar: str,
-            **kw) -> tuple[dict, list[list[int]]]:  # fmt: skip
-    """Unconstrained against constrained decoding in one mode at concurrency c."""
+            serial: bool, **kw) -> tuple[dict, list[list[int]]]:  # fmt: skip
+    """Unconstrained against constrained decoding in one mode at concurrency c; with
+    `serial`, constrained on the path before issue 33's changes too (the engine's
+    fill_ahead and constrained_ahead off: masks filled inline, constrained WeDLM rows
+    never launched ahead)."""
     free = best(local, clock, repeats, c, tokens, **kw)
     held = best(local, clock, repeats, c, tokens, grammar=grammar, **kw)
     overhead = held["ms_per_token"] / free["ms_per_token"] - 1
-    return {"ms_per_token": round(free["ms_per_token"], 3),
-            "constrained_ms_per_token": round(held["ms_per_token"], 3),
-            "overhead_pct": round(100 * overhead, 1),
-            "tokens_per_forward": free["tokens_per_forward"],
-            "constrained_tokens_per_forward": held["tokens_per_forward"],
-            "mask_host_ms_per_token": round(held["mask_ms_per_token"], 4),
-            "mask_share_pct": round(held["mask_share_pct"], 1)}, held["outputs"]  # fmt: skip
+    out = {"ms_per_token": round(free["ms_per_token"], 3),
+           "constrained_ms_per_token": round(held["ms_per_token"], 3),
+           "overhead_pct": round(100 * overhead, 1),
+           "tokens_per_forward": free["tokens_per_forward"],
+           "constrained_tokens_per_forward": held["tokens_per_forward"],
+           "decode_tokens": free["tokens"], "constrained_decode_tokens": held["tokens"],
+           "e2e_ms_per_token": round(free["e2e_ms_per_token"], 3),
+           "constrained_e2e_ms_per_token": round(held["e2e_ms_per_token"], 3),
+           "mask_host_ms_per_token": round(held["mask_ms_per_token"], 4),
+           "mask_share_pct": round(held["mask_share_pct"], 1),
+           "dropped_lookaheads": held["dropped_lookaheads"]}  # fmt: skip
+    if serial:
+        engine = local.engine
+        engine.fill_ahead = engine.constrained_ahead = False
+        try:
+            inline = best(local, clock, repeats, c, tokens, grammar=grammar, **kw)
+        finally:
+            engine.fill_ahead = engine.constrained_ahead = True
+        out["serial_same_output"] = inline["outputs"] == held["outputs"]
+        out["serial_constrained_ms_per_token"] = round(inline["ms_per_token"], 3)
+        out["serial_overhead_pct"] = round(
+            100 * (inline["ms_per_token"] / free["ms_per_token"] - 1), 1
+        )
+        out["serial_constrained_tokens_per_forward"] = inline["tokens_per_forward"]
+        out["serial_mask_share_pct"] = round(inline["mask_share_pct"], 1)
+    return out, held["outputs"]
 
 
 def mask_cost(grammars, grammar: str, outputs: list[list[int]]) -> float:
@@ -142,13 +195,13 @@ def rows_cost(grammars, grammar: str, ids: list[int], rows: int) -> dict:
     return timings
 
 
-DOCUMENT = ('{"name":"Ada Lovelace","age":36,"city":"London","tags":["math","poetry",'
-            '"engines"]}')
+WORDS = ["math", "poetry", "engines", "London", "Ada", "numbers", "looms", "cards"]
+DOCUMENT = '{"items":[' + ",".join(f'"{w}"' for w in WORDS * 4)  # a prefix SCHEMA allows
 
 
 def replay_cost(model: str, rows: int) -> dict:
     """The mask's host cost per token with another (larger) tokenizer, replaying a
-    schema-valid document's tokens: one row, and `rows` rows per step."""
+    schema-valid document prefix's tokens: one row, and `rows` rows per step."""
     from common.model_config import load_model_config
     from common.tokenizer import Tokenizer
     from coordinator.engine.constrained import Grammars
@@ -176,6 +229,8 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=None, help="WeDLM's (engine default)")
     quick = "tiny sizes (C = 1 and 2, 8 tokens, one run): check that it runs"
     ap.add_argument("--dry-run", action="store_true", help=quick)
+    serial = "also constrained on the path before (fill inline, WeDLM rows not ahead)"
+    ap.add_argument("--serial", action="store_true", help=serial)
     args = ap.parse_args()
     if args.dry_run:
         args.concurrency, args.tokens, args.repeats = [1, 2], 8, 1
@@ -191,14 +246,14 @@ def main() -> None:
     clock = MaskClock()
     for c in args.concurrency:  # warm-up: every shape's kernels, the llguidance tokenizer
         for kw in modes.values():
-            compare(local, clock, 1, c, args.tokens, grammar, **kw)
+            compare(local, clock, 1, c, args.tokens, grammar, args.serial, **kw)
     results = []
     for c in args.concurrency:
         point: dict = {"concurrency": c}
         outputs: list[list[int]] = []
         for name, kw in modes.items():
             point[name], outputs = compare(local, clock, args.repeats, c, args.tokens, grammar,
-                                           **kw)  # fmt: skip
+                                           args.serial, **kw)  # fmt: skip
         point["replayed_mask_host_ms_per_token"] = mask_cost(grammars, grammar, outputs)
         results.append(point)
     large = replay_cost(args.mask_tokenizer, max(args.concurrency))

@@ -17,12 +17,19 @@ Every decoding mode keeps its parallel commits, and the output always matches th
   under the mask. Later slots are filled from the raw logits, and before a window's
   leading filled run commits it is checked token by token against the grammar and cut at
   the first token it forbids, which becomes a mask again (chosen under the mask once it
-  is the first slot). Every forward whose first slot fills makes progress."""
+  is the first slot). Every forward whose first slot fills makes progress. A look-ahead
+  forward (wedlm_ahead.py) launched from a window whose run is then cut is dropped and
+  launched again from the cut window (engine._drop_ahead).
+
+The fill of a forward's masks (fill_masks) runs on a thread of its own from the moment
+its matchers have taken the committed tokens, overlapping the engine thread's other host
+work; the masks are applied last, right before sampling (apply_masks)."""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
 import llguidance
 import llguidance.hf
@@ -47,6 +54,9 @@ class Grammars:
         self._lock = threading.Lock()
         # llguidance's thread pool: a forward's constrained rows are filled together
         self.executor = llguidance.LLExecutor()
+        # the engine starts a forward's fill here as soon as its matchers are advanced,
+        # so the fill overlaps the engine thread's other host work (fill_masks)
+        self.filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -95,14 +105,15 @@ def _slot_prefixes(plan: RowPlan) -> list[list[int]]:
     return [[]]
 
 
-def _fill_job(seq: Sequence, prefixes: list[list[int]], row: int):
-    """The fill of a constrained row's slots (`prefixes` nested, each one longer): its
-    matcher advanced through the first prefix (rolled back after the fill), and the job
-    (matcher, first table row, drafts) whose masks go to table rows row, row + 1, ...:
-    the state after the first prefix, then after each further token the grammar allows
-    (stopping at the first it forbids or a stop token: a slot after one is never
-    committed). Returns (job or None, tokens consumed, slots filled)."""
-    matcher, stops = seq.matcher, seq.params.all_stop_ids
+def _fill_job(
+    matcher: llguidance.LLMatcher, stops: frozenset[int], prefixes: list[list[int]], row: int
+):
+    """The fill of a constrained row's slots (`prefixes` nested, each one longer; `stops`
+    its stop ids): its matcher advanced through the first prefix (rolled back after the
+    fill), and the job (matcher, first table row, drafts) whose masks go to table rows
+    row, row + 1, ...: the state after the first prefix, then after each further token
+    the grammar allows (stopping at the first it forbids or a stop token: a slot after
+    one is never committed). Returns (job or None, tokens consumed, slots filled)."""
     base, drafts = prefixes[0], prefixes[-1][len(prefixes[0]) :]
     if any(t in stops for t in base) or matcher.validate_tokens(base) < len(base):
         return None, 0, 0
@@ -113,53 +124,114 @@ def _fill_job(seq: Sequence, prefixes: list[list[int]], row: int):
     return (matcher, row, allowed), len(base), 1 + len(allowed)
 
 
-def mask_logits(
-    plans: list[RowPlan], logits: mx.array, executor: llguidance.LLExecutor
-) -> mx.array:
-    """Logits [N, K, V] with the forbidden tokens of every constrained slot at -inf: the
-    first slot of each constrained row (its matcher's state after what commits before
-    it), and a speculative row's choice after each draft the grammar allows. Every row's
-    masks are filled together, on `executor`'s threads (a C = 32 forward fills 32)."""
-    rows = [(i, _slot_prefixes(p)) for i, p in enumerate(plans) if p.seq.matcher is not None]
-    rows = [(i, pre) for i, pre in rows if not plans[i].seq.matcher.is_error()]
-    if not rows:
-        return logits
-    n, k, v = logits.shape
-    # table row 0 allows everything; index[i, j] names the table row of slot j of row i
-    table = llguidance.numpy.allocate_token_bitmask(1 + sum(len(pre) for _, pre in rows), v)
+@dataclass
+class Masks:
+    """A forward's allowed-token bitmasks, filled on the host: `table` rows of 32 tokens
+    per int32 (row 0 allows every token) and `index[i, j]`, the table row of slot j of
+    row i."""
+
+    table: np.ndarray
+    index: np.ndarray
+
+
+@dataclass
+class MaskJob:
+    """What a forward's mask fill needs, read from its plans on the engine thread (the
+    fill itself may then run on another: it touches the matchers only)."""
+
+    rows: list[tuple[int, llguidance.LLMatcher, frozenset[int], list[list[int]]]]
+    n: int
+    k: int
+    v: int
+
+
+def mask_job(plans: list[RowPlan], k: int, v: int) -> MaskJob | None:
+    """The fill of `plans`' constrained slots for logits [len(plans), k, v], or None when
+    no row is constrained."""
+    rows = []
+    for i, plan in enumerate(plans):
+        seq = plan.seq
+        if seq.matcher is not None and not seq.matcher.is_error():
+            rows.append((i, seq.matcher, seq.params.all_stop_ids, _slot_prefixes(plan)[:k]))
+    return MaskJob(rows, len(plans), k, v) if rows else None
+
+
+def fill_masks(job: MaskJob, executor: llguidance.LLExecutor) -> Masks:
+    """Every row's masks filled together, on `executor`'s threads (a C = 32 forward fills
+    32); llguidance releases the GIL meanwhile."""
+    table = llguidance.numpy.allocate_token_bitmask(1 + sum(len(r[3]) for r in job.rows), job.v)
     table[0] = -1
-    index = np.zeros((n, k), dtype=np.int32)
+    index = np.zeros((job.n, job.k), dtype=np.int32)
     used, jobs, consumed = 1, [], []
-    for i, prefixes in rows:
-        job, taken, count = _fill_job(plans[i].seq, prefixes[:k], used)
-        if job is not None:
-            jobs.append(job)
-            consumed.append((job[0], taken))
+    for i, matcher, stops, prefixes in job.rows:
+        one, taken, count = _fill_job(matcher, stops, prefixes, used)
+        if one is not None:
+            jobs.append(one)
+            consumed.append((matcher, taken))
         index[i, :count] = np.arange(used, used + count)
         used += count
     plain = [(matcher, row) for matcher, row, drafts in jobs if not drafts]
     if plain:
         llguidance.numpy.fill_next_token_bitmask_par(executor, plain, table)
-    drafted = [job for job in jobs if job[2]]  # llguidance refuses empty drafts here
+    drafted = [one for one in jobs if one[2]]  # llguidance refuses empty drafts here
     if drafted:
         llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, table)
     for matcher, taken in consumed:
         if taken:
             matcher.rollback(taken)
-    words = mx.array(table[:used].view(np.uint32))
-    bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
-    allowed = bits.reshape(used, -1)[:, :v].astype(mx.bool_)[mx.array(index)]
+    return Masks(table[:used], index)
+
+
+def take_and_fill(
+    taken: list[tuple[llguidance.LLMatcher, int]], job: MaskJob, executor: llguidance.LLExecutor
+) -> Masks:
+    """Each matcher takes its row's committed token, then `job`'s masks are filled: an
+    autoregressive look-ahead's fill, started before postprocess (engine._fill_early)."""
+    for matcher, token in taken:
+        matcher.consume_tokens([token])
+    return fill_masks(job, executor)
+
+
+_BITS = mx.array([1 << b for b in range(32)], dtype=mx.uint32)
+
+
+def apply_masks(masks: Masks, logits: mx.array) -> mx.array:
+    """Logits [N, K, V] with the tokens `masks` forbid at -inf. Each slot's words are
+    gathered first and only then expanded to bits: one [N, K, V] expansion."""
+    n, k, v = logits.shape
+    words = mx.array(masks.table.view(np.uint32))[mx.array(masks.index)]  # [N, K, V / 32]
+    allowed = ((words[..., None] & _BITS) != 0).reshape(n, k, -1)
+    if allowed.shape[-1] != v:
+        allowed = allowed[..., :v]
     return mx.where(allowed, logits, mx.array(-float("inf"), logits.dtype))
 
 
-def advance(plans: list[RowPlan], before: list[int]) -> None:
+def mask_logits(
+    plans: list[RowPlan], logits: mx.array, executor: llguidance.LLExecutor
+) -> mx.array:
+    """Logits [N, K, V] with the forbidden tokens of every constrained slot at -inf: the
+    first slot of each constrained row (its matcher's state after what commits before
+    it), and a speculative row's choice after each draft the grammar allows. The serial
+    form of mask_job, fill_masks and apply_masks (the engine may fill ahead, on a
+    thread)."""
+    _, k, v = logits.shape
+    job = mask_job(plans, k, v)
+    return logits if job is None else apply_masks(fill_masks(job, executor), logits)
+
+
+def advance(
+    plans: list[RowPlan], before: list[int], taken: frozenset[int] = frozenset()
+) -> set[int]:
     """After postprocess: feed each constrained sequence's newly committed tokens to its
     matcher, then cut a WeDLM window's leading filled run (it commits with the next
     forward) at the first token the grammar forbids: that slot becomes a mask again, to
-    be chosen under the mask."""
+    be chosen under the mask. Returns the ids of the sequences whose run was cut (a
+    look-ahead forward built from their uncut window is stale). Sequences in `taken`
+    had their matcher take their tokens already (take_and_fill)."""
+    cut = set()
     for plan, start in zip(plans, before, strict=True):
         seq: Sequence = plan.seq
-        if seq.matcher is None or seq.finished:
+        if seq.matcher is None or seq.finished or seq.seq_id in taken:
             continue
         new = seq.output[start:]
         if new:
@@ -170,6 +242,8 @@ def advance(plans: list[RowPlan], before: list[int]) -> None:
             if allowed < len(run):
                 seq.window_filled = seq.window_filled.copy()
                 seq.window_filled[allowed] = False
+                cut.add(seq.seq_id)
+    return cut
 
 
 def _allowed_run(matcher: llguidance.LLMatcher, run: list[int], eos: tuple[int, ...]) -> int:

@@ -13,6 +13,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -59,6 +60,8 @@ class InFlight:
     # the host; its plans are named by `_resolve_ahead`, and the pipeline returns every
     # slot's hidden state (the head slots are taken once they are known).
     unresolved: bool = False
+    # A look-ahead forward whose inputs went stale (_drop_ahead): read back and discarded.
+    dropped: bool = False
 
 
 @dataclass
@@ -105,6 +108,16 @@ class Engine:
         self.drafter = None  # a DraftModel proposing speculative drafts (use_drafter)
         self._warned: set[str] = set()  # modes whose mode_warning was logged
         self.grammars: constrained.Grammars | None = None  # structured output (use_grammars)
+        # The mask fill of the oldest forward in flight, started on the grammars' thread
+        # once its matchers are advanced (_start_fill); False: filled inline in _choose.
+        self.fill_ahead = True
+        self._fill: tuple[int, Future[constrained.Masks]] | None = None
+        # Constrained WeDLM rows are launched ahead too (the look-ahead is dropped when the
+        # grammar cuts a run it was built from); False: they never are (the serial path).
+        self.constrained_ahead = True
+        self._cut: set[int] = set()  # sequences whose run the grammar cut at the last step
+        self._taken: dict[int, int] = {}  # seq id -> the token its matcher took early
+        self.ahead_dropped = 0  # look-ahead forwards dropped (_drop_ahead), for benchmarks
 
     def _new_scheduler(
         self, limits: Limits, micro_batches: int, prefix_cache: PrefixCache | None
@@ -283,13 +296,20 @@ class Engine:
         commits = self.scheduler.postprocess(
             flight.unit, flight.plans, ran.fills, ran.tokens, flight.started, ran.ahead
         )
-        constrained.advance(flight.plans, before)
+        self._check_taken(flight.plans, before)
+        self._cut = constrained.advance(flight.plans, before, frozenset(self._taken))
+        self._taken = {}
         if ran.logprobs is not None:
             token_logprobs.record(
                 ran.logprobs, flight.plans, before, ran.tokens, ran.fills, window_steps
             )
         if ran.ahead and self.in_flight and self.in_flight[-1].unresolved:
-            self._resolve_ahead(self.in_flight[-1], commits)
+            ahead = self.in_flight[-1]
+            if self._cut & {p.seq.seq_id for p in ahead.plans}:
+                self._drop_ahead(ahead)
+            else:
+                self._resolve_ahead(ahead, commits)
+        self._start_fill()  # the next forward's matchers have taken this one's tokens
         return commits
 
     def _retire(self) -> None:
@@ -322,6 +342,36 @@ class Engine:
             if plan.seq.prefix is not None:
                 plan.seq.prefix.sent = True
         self.in_flight.append(InFlight(batch_id, unit, plans, batch, started))
+        self._start_fill()
+
+    def _start_fill(self) -> None:
+        """Start filling the grammar masks of the oldest forward in flight on the grammars'
+        thread, where its plans are known and its matchers have taken every committed
+        token: the fill (llguidance, without the GIL) then overlaps this thread's work
+        until _choose applies it. Nothing else touches those matchers meanwhile: advance
+        runs after that forward's _complete has taken the fill."""
+        if self.grammars is None or not self.fill_ahead or self._fill is not None:
+            return
+        if not self.in_flight or self.in_flight[0].batch is None:
+            return  # an unresolved look-ahead: started once _resolve_ahead names its plans
+        flight = self.in_flight[0]
+        k = flight.batch.head_slots.shape[1]
+        job = constrained.mask_job(flight.plans, k, self.config.vocab_size) if k else None
+        if job is not None:
+            future = self.grammars.filler.submit(
+                constrained.fill_masks, job, self.grammars.executor
+            )
+            self._fill = (flight.batch_id, future)
+
+    def _take_fill(self, batch_id: int) -> Future[constrained.Masks] | None:
+        """The fill started for forward `batch_id`, if any. One started for a forward that
+        was dropped since (a restart) is waited for: its matchers are then left alone."""
+        pending, self._fill = self._fill, None
+        if pending is None or pending[0] == batch_id:
+            return pending and pending[1]
+        with contextlib.suppress(Exception):
+            pending[1].result()
+        return None
 
     def _with_model_drafts(self, plans: list[RowPlan]) -> list[RowPlan]:
         """Rows drafting with the draft model get its proposals, then are planned again
@@ -361,17 +411,23 @@ class Engine:
         self._padding[unit] = ids
         return sorted(ids)
 
-    def _complete(self, commits: list[Commit]) -> Ran:
+    def _complete(self, commits: list[Commit]) -> Ran | None:
         """Run the oldest micro-batch to its tokens: collect its hidden states, head,
         selection and sampling, one host sync. The next forward goes to the device before
         the sync (the look-ahead, or another unit's micro-batch)."""
+        self._start_fill()
         flight = self.in_flight.popleft()
+        fill = self._take_fill(flight.batch_id)
         batch_id, hidden = self.pipeline.collect()
         assert batch_id == flight.batch_id, "micro-batches complete in order"
+        if flight.dropped:  # its unit launches again from the cut windows
+            self.scheduler.ahead_dropped(flight.unit)
+            self._schedule(commits)
+            return self._complete(commits) if self.in_flight else None
         if flight.unresolved:  # a look-ahead WeDLM forward returned every slot
             rows = len(flight.plans)
             hidden = select_slots(hidden[:rows], flight.batch.head_slots)
-        fills, tokens, logprobs = self._select(flight.batch, hidden)
+        fills, tokens, logprobs = self._select(flight.batch, hidden, fill)
         # Queue this step's selection before the look-ahead forward: the device runs its
         # work in order, so the sync below then waits for step t only, not for t+1.
         extra = logprobs.arrays() if logprobs is not None else []
@@ -382,9 +438,54 @@ class Engine:
         if not ahead:
             self._launch_other(commits)
         mx.eval(fills, tokens, *extra)  # the one host sync of this micro-batch
+        host_tokens = np.array(tokens)
+        if ahead and not self.in_flight[-1].unresolved:
+            self._fill_early(flight, host_tokens)
         self.forwards += 1
         self._time_forward(flight)
-        return Ran(flight, np.array(fills), np.array(tokens), ahead, logprobs)
+        return Ran(flight, np.array(fills), host_tokens, ahead, logprobs)
+
+    def _fill_early(self, flight: InFlight, tokens: np.ndarray) -> None:
+        """The masks of an autoregressive look-ahead forward, started before this step's
+        postprocess: a constrained AR row commits its sampled token or finishes (and its
+        next row is never read), so its matcher takes the token on the grammars' thread,
+        which then fills the next forward's masks while postprocess runs here."""
+        if self.grammars is None or not self.fill_ahead or self._fill is not None:
+            return
+        nxt = self.in_flight[0]
+        if nxt is not self.in_flight[-1]:
+            return  # another micro-batch completes before the look-ahead
+        rows = [
+            (i, p.seq) for i, p in enumerate(flight.plans)
+            if p.seq.matcher is not None and not p.seq.finished and not p.seq.matcher.is_error()
+        ]  # fmt: skip
+        if not rows or any(seq.params.mode != "ar" for _, seq in rows):
+            return
+        job = constrained.mask_job(nxt.plans, nxt.batch.head_slots.shape[1], self.config.vocab_size)
+        if job is None:
+            return
+        self._taken = {seq.seq_id: int(tokens[i, 0]) for i, seq in rows}
+        taken = [(seq.matcher, self._taken[seq.seq_id]) for _, seq in rows]
+        future = self.grammars.filler.submit(
+            constrained.take_and_fill, taken, job, self.grammars.executor
+        )
+        self._fill = (nxt.batch_id, future)
+
+    def _check_taken(self, plans: list[RowPlan], before: list[int]) -> None:
+        """A row whose matcher took its token early (_fill_early) and then committed
+        something else without finishing (not expected: an AR row commits its token or
+        ends) gets its matcher corrected here, and the early fill is dropped."""
+        wrong = [
+            p.seq for p, start in zip(plans, before, strict=True)
+            if p.seq.seq_id in self._taken and not p.seq.finished
+            and p.seq.output[start:] != [self._taken[p.seq.seq_id]]
+        ]  # fmt: skip
+        if not wrong:
+            return
+        self._take_fill(-1)  # waited for, then dropped: the next forward fills inline
+        for seq in wrong:
+            seq.matcher.rollback(1)
+            del self._taken[seq.seq_id]
 
     def _time_forward(self, flight: InFlight) -> None:
         """Feed step_cost a decode forward's wall time (one micro-batch at a time: with
@@ -423,8 +524,9 @@ class Engine:
         plans = [flight.plans[i] for i in live]
         if not plans or not all(_wedlm_decoding(p) for p in plans):
             return False
-        if any(p.seq.matcher is not None for p in plans):
-            return False  # the host cuts a constrained window's run first (constrained.advance)
+        constrained_rows = {p.seq.seq_id for p in plans if p.seq.matcher is not None}
+        if constrained_rows and (not self.constrained_ahead or constrained_rows & self._cut):
+            return False  # the grammar cut a run at the last step: it may well cut again
         if self.scheduler.joiners(flight.unit, plans) != []:
             return False  # arrivals or departures: the next regular launch takes everyone
         slot_owed = len(self.in_flight) + 1 >= self.micro_batches
@@ -457,6 +559,14 @@ class Engine:
         # plans of step t stand in until _resolve_ahead names this forward's own
         self.in_flight.append(InFlight(batch_id, flight.unit, plans, None, started, True))
         return True
+
+    def _drop_ahead(self, flight: InFlight) -> None:
+        """The grammar cut a window's leading run (constrained.advance) that the look-ahead
+        forward was built from uncut: its inputs are not the window's. Nothing of it becomes
+        permanent; _complete reads it back, discards it, and launches the unit again."""
+        self.pipeline.keep([p.seq.seq_id for p in flight.plans], [0] * len(flight.plans))
+        flight.dropped = True
+        self.ahead_dropped += 1
 
     def _resolve_ahead(self, flight: InFlight, commits: list[Commit]) -> None:
         """Step t is read back and postprocessed: the look-ahead forward's rows are now
@@ -525,20 +635,23 @@ class Engine:
         return True
 
     def _select(
-        self, batch: TickBatch, hidden: mx.array
+        self, batch: TickBatch, hidden: mx.array, fill: Future[constrained.Masks] | None = None
     ) -> tuple[mx.array, mx.array, token_logprobs.SlotLogprobs | None]:
         """Head on the needed rows, selection and sampling on the device, left lazy, and
         the logprobs of rows that ask. Only what the batch needs is built: every op here
         sits between two forwards on the device, so a greedy autoregressive batch pays for
-        the head and an argmax only."""
+        the head and an argmax only. `fill`: the batch's grammar masks, being filled
+        (_start_fill); without it they are filled here."""
         rows = len(batch.plans)
         if not batch.wants_head:
             return mx.zeros((rows, 0), mx.bool_), mx.zeros((rows, 0), mx.int32), None
         logits = self.parts.head(hidden[:rows])  # the pipeline returned the head slots only
-        fills, tokens = self._choose(batch, logits)
+        fills, tokens = self._choose(batch, logits, fill)
         return fills, tokens, token_logprobs.slot_logprobs(batch.plans, logits, tokens)
 
-    def _choose(self, batch: TickBatch, logits: mx.array) -> tuple[mx.array, mx.array]:
+    def _choose(
+        self, batch: TickBatch, logits: mx.array, fill: Future[constrained.Masks] | None = None
+    ) -> tuple[mx.array, mx.array]:
         """Selection (which slots fill) and sampling (with which tokens)."""
         if batch.any_selection or batch.any_sampling:
             logits = logits.astype(mx.float32)  # entropy and sampling work in float32
@@ -556,7 +669,9 @@ class Engine:
             fills = is_mask
         # after selection, which reads the raw logits' entropies
         logits = logit_bias.adjust_logits(batch.plans, logits)
-        if self.grammars is not None:
+        if fill is not None:  # the last thing before sampling: the fill had the longest
+            logits = constrained.apply_masks(fill.result(), logits)
+        elif self.grammars is not None:
             logits = constrained.mask_logits(batch.plans, logits, self.grammars.executor)
         if not batch.any_sampling:
             return fills, greedy_tokens(logits)

@@ -345,6 +345,12 @@ class Scheduler:
                     self.cache.unpin(plan.seq.prefix)
 
     # ---- the look-ahead (engine._launch_ahead) ---------------------------------------
+    def ahead_dropped(self, unit: Unit) -> None:
+        """A look-ahead forward of `unit` went stale before its plans were named (a
+        grammar cut a window's run: engine._drop_ahead) and is discarded: the unit is
+        free for a regular launch."""
+        self.busy.discard(unit)
+
     def joiners(self, unit: Unit, plans: list[RowPlan]) -> list[Sequence] | None:
         """The sequences of decode group `unit` that joined it since `plans` were made
         (their prefill ended), or None when a row of `plans` left the group."""
