@@ -306,3 +306,21 @@ def test_a_real_batch_of_eight_drafts_only_when_it_pays(wedlm8, break_even, draf
     else:
         assert drafting_batches == 0 and first.draft_forwards == 0
         assert first.draft_limit == 4 and first.draft_state.gain == 4.0
+
+
+def test_a_spell_without_a_gain_waits_for_the_slot_unless_it_verifies():
+    """In a batch of several rows, a spell whose mask slots found nothing confident yet (no
+    gain, no drafts) explores only at the batch's probe slot; with drafts to verify it
+    explores at once (they are gone after one forward)."""
+    unproven = new_seq()
+    unproven.draft_limit, unproven.forwards = 4, 2  # the slot is at forward 8
+    rows = [unproven] + [drafts_off_for_now() for _ in range(3)]
+    for seq in rows:
+        seq.draft_state.gap = 64  # (rows whose drafts are off set the slot's gap)
+    assert batch_rooms(rows, 1.5) == [0] * 4
+    unproven.drafts = np.array([7, 8], np.int32)
+    assert batch_rooms(rows, 1.5) == [4, 0, 0, 0]
+    unproven.drafts = np.zeros(0, np.int32)
+    unproven.forwards = 63  # the next forward is the 64th: the slot
+    assert batch_rooms(rows, 1.5) == [4, 0, 0, 0]
+    assert batch_rooms(rows, 1.5, ahead=1) == [0] * 4

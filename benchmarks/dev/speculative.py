@@ -201,10 +201,9 @@ def compare(runs: dict[str, tuple], concurrency: int, n_prompts: int) -> dict:
 
 def mask_settings(args) -> dict[str, GenerationParams]:
     n = args.max_tokens
-    out = {
-        "ar": GenerationParams(mode="ar", max_tokens=n),
-        "wedlm": GenerationParams(mode="wedlm", window=16, threshold=0.6, max_tokens=n),
-    }
+    out = {"ar": GenerationParams(mode="ar", max_tokens=n)}
+    if args.wedlm:
+        out["wedlm"] = GenerationParams(mode="wedlm", window=16, threshold=0.6, max_tokens=n)
     for tau in args.thresholds:
         out[f"speculative-mask-t{tau}"] = GenerationParams(
             mode="speculative", draft="mask", window=args.window, threshold=tau, max_tokens=n
@@ -398,6 +397,9 @@ def main() -> None:
     )
     p.add_argument("--sets", nargs="+", default=["counting", "chat"], choices=["counting", "chat"])
     p.add_argument("--no-stages", dest="stages", action="store_false")
+    p.add_argument(
+        "--no-wedlm", dest="wedlm", action="store_false", help="mask: AR and speculative only"
+    )
     p.add_argument("--gpus", type=int, default=0, help="GPUs for the 2-stage run (0: shared)")
     p.add_argument("--wedlm-model", type=Path, default=WEDLM_MODEL)
     p.add_argument("--lookup-model", default="default", help="model of the lookup phase")

@@ -21,15 +21,17 @@ look-ahead, and the rows it held back keep their state as it was (`RowPlan.held`
 batch drafts, every row whose limit allows carries its drafts: the width is paid anyway.
 A row of a WeDLM request makes the forward wide whatever the others do: they draft freely.
 
-Exploration is the exception: a probe, or the first forward of a spell (a new request, or
-one whose probe was just accepted), has no gain yet, and makes the batch draft. A probe
-(one draft; with mask drafts, a forward with mask slots, then one verifying its confident
-slot) tests whether a request whose drafts are off is accepted again: accepted, drafting
+Exploration is the exception: a probe, or the forwards of a spell before its gain is known
+(a new request, or one whose probe was just accepted), make the batch draft. A probe (one
+draft; with mask drafts, a forward with mask slots, then one verifying its confident slot)
+tests whether a request whose drafts are off is accepted again: accepted, drafting
 resumes; failed, or a resumed spell that ends without ever paying, the gap to its next
 probe doubles (PROBE_EVERY, 2x, 4x, ... up to PROBE_MAX forwards); a spell that paid resets
-it. Because a probe widens the whole batch, probes of a batch of several rows wait for its
-probe slot, every PROBE_EVERY-th forward, and every row due by then probes in it together:
-at most one forward in PROBE_EVERY starts probes (and one more verifies them).
+it. Because exploring widens the whole batch, in a batch of several rows it waits for the
+batch's probe slot, and every row due by then explores in it together; a request's first
+forward and one verifying drafts its mask slots made do not wait. The slot comes every g
+forwards, g the shortest probe gap among the batch's rows whose drafts are off
+(PROBE_EVERY while none is): as their probes fail, the slots back off with them.
 
 A drafting forward commits at most window + 1 tokens: where the break-even is at least
 that (a CPU's multi-row forwards can cost 10x a one-row one), drafts can never pay and the
@@ -133,18 +135,19 @@ def batch_rooms(seqs: list[Sequence], break_even: float, ahead: int = 0) -> list
     AR forwards; `ahead` as in draft_room."""
     if not seqs:
         return []
-    clock = max(s.forwards for s in seqs) + 1 + ahead  # the batch's next forward number
-    slot = len(seqs) == 1 or clock % PROBE_EVERY == 0  # probes may start (module docstring)
+    slot = _probe_slot(seqs, ahead)
     rooms, value, explore = [], 0.0, False
     for seq in seqs:
-        room = _room(seq, break_even, ahead, slot) if seq.params.mode == "speculative" else 0
+        room = draft_room(seq, break_even, ahead) if seq.params.mode == "speculative" else 0
+        if room and _waits(seq, ahead) and not slot:
+            room = 0
         rooms.append(room)
         explore |= seq.params.mode == "wedlm"  # a wide forward anyway: drafts cost nothing
         gain = seq.draft_state.gain
         if not room:
             value += 1.0
         elif seq.draft_limit == 0 or gain is None:
-            explore = True  # a probe, or a spell's first forward: no gain known yet
+            explore = True  # a probe, or a spell's first forwards: no gain known yet
         else:
             value += gain
     if explore or value > break_even * len(seqs):
@@ -152,14 +155,25 @@ def batch_rooms(seqs: list[Sequence], break_even: float, ahead: int = 0) -> list
     return [0] * len(seqs)
 
 
-def _room(seq: Sequence, break_even: float, ahead: int, slot: bool) -> int:
-    """draft_room, except that a probe waits for its batch's probe slot (a mask probe's
-    verifying forward does not: its drafted slot is gone after one forward)."""
-    room = draft_room(seq, break_even, ahead)
-    verifying = seq.drafts.size > 0
-    if room and seq.draft_limit == 0 and not slot and not verifying:
-        return 0
-    return room
+def _probe_slot(seqs: list[Sequence], ahead: int) -> bool:
+    """Whether the batch's next forward may explore (module docstring): always for one row;
+    for several, every g-th forward, g the shortest probe gap among rows whose drafts are
+    off (PROBE_EVERY while none is), so slots back off as the batch's probes fail."""
+    if len(seqs) == 1:
+        return True
+    clock = max(s.forwards for s in seqs) + 1 + ahead  # the batch's next forward number
+    gaps = [s.draft_state.gap for s in seqs if s.draft_limit == 0]
+    return clock % min(gaps, default=PROBE_EVERY) == 0
+
+
+def _waits(seq: Sequence, ahead: int) -> bool:
+    """Whether a row's drafting forward is exploration that waits for its batch's probe
+    slot: a probe, or a spell whose gain is not known yet; not a request's first forward,
+    nor one that verifies drafts its mask slots made (they are gone after one forward;
+    after a one-row forward, whose postprocess `ahead` predicts, there are none)."""
+    if seq.draft_limit is None or (seq.drafts.size and not ahead):
+        return False
+    return seq.draft_limit == 0 or seq.draft_state.gain is None
 
 
 def unchanged_by_postprocess(plan: RowPlan, break_even: float = 1.0) -> bool:
