@@ -225,8 +225,9 @@ def test_a_wedlm_row_or_a_first_forward_makes_the_batch_draft():
 
 def test_probes_of_a_batch_wait_for_its_probe_slot_and_run_together():
     """8 rows whose probes fail, due at staggered forwards: each alone would make a forward
-    a drafting one; in a batch they wait for the slot (every PROBE_EVERY-th forward) and
-    probe together, and a held probe's state is left as it was until then."""
+    a drafting one; in a batch of 8 they wait for its slot (every 8 * PROBE_EVERY
+    forwards: the batch explores as often as one row would) and probe together, and a
+    held probe's state is left as it was until then."""
     rows = [new_seq() for _ in range(8)]
     for i, seq in enumerate(rows):
         seq.draft_limit = 0
@@ -242,7 +243,7 @@ def test_probes_of_a_batch_wait_for_its_probe_slot_and_run_together():
             else:
                 seq.forwards += 1  # held, or drafts off: nothing changes
     assert probes >= 8  # every row probed
-    assert drafting_forwards <= n // PROBE_EVERY
+    assert drafting_forwards == 1
     assert all(s.draft_state.gap > PROBE_EVERY for s in rows)
 
 
@@ -313,7 +314,7 @@ def test_a_spell_without_a_gain_waits_for_the_slot_unless_it_verifies():
     gain, no drafts) explores only at the batch's probe slot; with drafts to verify it
     explores at once (they are gone after one forward)."""
     unproven = new_seq()
-    unproven.draft_limit, unproven.forwards = 4, 2  # the slot is at forward 8
+    unproven.draft_limit, unproven.forwards = 4, 2
     rows = [unproven] + [drafts_off_for_now() for _ in range(3)]
     for seq in rows:
         seq.draft_state.gap = 64  # (rows whose drafts are off set the slot's gap)
@@ -321,6 +322,6 @@ def test_a_spell_without_a_gain_waits_for_the_slot_unless_it_verifies():
     unproven.drafts = np.array([7, 8], np.int32)
     assert batch_rooms(rows, 1.5) == [4, 0, 0, 0]
     unproven.drafts = np.zeros(0, np.int32)
-    unproven.forwards = 63  # the next forward is the 64th: the slot
+    unproven.forwards = PROBE_MAX - 1  # the slot: every min(64 * 4, PROBE_MAX) forwards
     assert batch_rooms(rows, 1.5) == [4, 0, 0, 0]
     assert batch_rooms(rows, 1.5, ahead=1) == [0] * 4

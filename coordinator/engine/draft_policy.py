@@ -29,9 +29,10 @@ resumes; failed, or a resumed spell that ends without ever paying, the gap to it
 probe doubles (PROBE_EVERY, 2x, 4x, ... up to PROBE_MAX forwards); a spell that paid resets
 it. Because exploring widens the whole batch, in a batch of several rows it waits for the
 batch's probe slot, and every row due by then explores in it together; a request's first
-forward and one verifying drafts its mask slots made do not wait. The slot comes every g
-forwards, g the shortest probe gap among the batch's rows whose drafts are off
-(PROBE_EVERY while none is): as their probes fail, the slots back off with them.
+forward and one verifying drafts its mask slots made do not wait. A batch of B rows
+explores about as often as one row would: its slot comes every g * B forwards (at most
+PROBE_MAX), g the shortest probe gap among its rows whose drafts are off (PROBE_EVERY while
+none is), so slots also back off as their probes fail.
 
 A drafting forward commits at most window + 1 tokens: where the break-even is at least
 that (a CPU's multi-row forwards can cost 10x a one-row one), drafts can never pay and the
@@ -157,13 +158,13 @@ def batch_rooms(seqs: list[Sequence], break_even: float, ahead: int = 0) -> list
 
 def _probe_slot(seqs: list[Sequence], ahead: int) -> bool:
     """Whether the batch's next forward may explore (module docstring): always for one row;
-    for several, every g-th forward, g the shortest probe gap among rows whose drafts are
-    off (PROBE_EVERY while none is), so slots back off as the batch's probes fail."""
+    for B rows, every min(g * B, PROBE_MAX)-th forward, g the shortest probe gap among rows
+    whose drafts are off (PROBE_EVERY while none is)."""
     if len(seqs) == 1:
         return True
     clock = max(s.forwards for s in seqs) + 1 + ahead  # the batch's next forward number
-    gaps = [s.draft_state.gap for s in seqs if s.draft_limit == 0]
-    return clock % min(gaps, default=PROBE_EVERY) == 0
+    gap = min((s.draft_state.gap for s in seqs if s.draft_limit == 0), default=PROBE_EVERY)
+    return clock % min(gap * len(seqs), PROBE_MAX) == 0
 
 
 def _waits(seq: Sequence, ahead: int) -> bool:
