@@ -11,7 +11,11 @@ decode, a new prompt may wait up to `prefill_hold` decode steps for others to sh
 prefill forward (`prefill_batch` prompts start one at once), as TGI's router waits
 `max_waiting_tokens` steps: arrivals in a busy server then cost one forward per batch of
 prompts instead of one each. Nothing waits when nothing decodes, and a prompt already under
-way (a long one in chunks, a history being rebuilt) is never held."""
+way (a long one in chunks, a history being rebuilt) is never held.
+
+Whether a decode micro-batch's speculative rows carry drafts is decided for the whole
+micro-batch (draft_policy.batch_rooms): one drafting row makes every row's forward a
+drafting one."""
 
 from __future__ import annotations
 
