@@ -11,8 +11,9 @@ from coordinator.engine.draft_policy import (
     PROBE_EVERY,
     PROBE_MAX,
     adapt_draft_limit,
+    batch_rooms,
     draft_room,
-    drafts_off,
+    unchanged_by_postprocess,
 )
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sequence import Sequence
@@ -111,7 +112,7 @@ def test_a_resumed_spell_that_never_pays_keeps_backing_off():
 
 def test_a_mask_probe_verifies_its_confident_slot_next():
     """With mask drafts a probe first runs mask slots; when one is confident, the next
-    forward verifies it (also a probe), and drafts_off knows neither is an AR forward."""
+    forward verifies it (also a probe), and neither is an AR forward."""
     seq = new_seq()
     forward(seq, 8, 0, 1.5)
     ar_until_probe(seq, 1.5)
@@ -119,10 +120,11 @@ def test_a_mask_probe_verifies_its_confident_slot_next():
     forward(seq, 0, 0, 1.5, extra=2)
     assert draft_room(seq) == 1
     one_row = RowPlan(seq, np.zeros(1, np.int32), np.ones(1, bool), 1, np.zeros(1), np.ones(1))
-    assert not drafts_off(one_row)
+    assert batch_rooms([seq], 1.5) == [1]
     seq.drafts = np.zeros(0, np.int32)
     forward(seq, 1, 0, 1.5, extra=3)  # rejected: off, the gap doubled
-    assert draft_room(seq) == 0 and drafts_off(one_row)
+    assert draft_room(seq) == 0 and unchanged_by_postprocess(one_row)
+    assert batch_rooms([seq], 1.5, ahead=1) == [0]  # the next forward may be AR's look-ahead
     assert ar_until_probe(seq, 1.5) + 1 == 2 * PROBE_EVERY
 
 
@@ -179,6 +181,147 @@ def test_drafts_that_cannot_pay_are_never_tried():
     assert draft_room(seq, 4.9) == 4 and draft_room(seq, 5.0) == 0
     one_row = RowPlan(seq, np.zeros(1, np.int32), np.ones(1, bool), 1, np.zeros(1), np.ones(1))
     for _ in range(3 * PROBE_EVERY):
-        assert drafts_off(one_row, 5.0)
+        assert unchanged_by_postprocess(one_row, 5.0)
+        assert batch_rooms([seq], 5.0, ahead=1) == [0]
         forward(seq, 0, 0, 5.0, extra=0)
         assert draft_room(seq, 5.0) == 0
+
+
+def drafting(gain: float, limit: int = 4) -> Sequence:
+    """A speculative request in a drafting spell with this gain."""
+    seq = new_seq()
+    seq.draft_limit, seq.draft_state.gain = limit, gain
+    return seq
+
+
+def drafts_off_for_now() -> Sequence:
+    seq = new_seq()
+    seq.draft_limit, seq.draft_state.next_probe = 0, 10**9
+    return seq
+
+
+@pytest.mark.parametrize(("break_even", "drafts"), [(1.5, False), (1.3, True)])
+def test_the_batch_drafts_only_when_its_rows_together_pay(break_even, drafts):
+    """One row commits 4 tokens per drafting forward, 7 rows' drafts are off: a drafting
+    forward of the 8 commits 11 tokens, 1.375 per row. At a break-even of 1.5 no row
+    drafts (the batch keeps AR's look-ahead); at 1.3 the batch drafts, and only the row
+    whose drafts are on carries them. AR requests count as rows whose drafts are off."""
+    rows = [drafting(4.0)] + [drafts_off_for_now() for _ in range(6)]
+    rows.append(Sequence(9, [1], GenerationParams(mode="ar")))
+    rooms = batch_rooms(rows, break_even)
+    assert rooms == ([4] + [0] * 7 if drafts else [0] * 8)
+    assert batch_rooms(rows[:1], break_even) == [4]  # alone it pays
+
+
+def test_a_wedlm_row_or_a_first_forward_makes_the_batch_draft():
+    """A WeDLM window makes the forward wide anyway; a request's first forward (no gain
+    yet) explores: in both, rows draft as their own state allows."""
+    held = [drafting(1.6)] + [drafts_off_for_now() for _ in range(3)]
+    assert batch_rooms(held, 1.5) == [0] * 4
+    wedlm = Sequence(9, [1], GenerationParams(mode="wedlm"))
+    assert batch_rooms([*held, wedlm], 1.5) == [4, 0, 0, 0, 0]
+    assert batch_rooms([*held, new_seq()], 1.5) == [4, 0, 0, 0, 8]
+
+
+def test_probes_of_a_batch_wait_for_its_probe_slot_and_run_together():
+    """8 rows whose probes fail, due at staggered forwards: each alone would make a forward
+    a drafting one; in a batch of 8 they wait for its slot (every 8 * PROBE_EVERY
+    forwards: the batch explores as often as one row would) and probe together, and a
+    held probe's state is left as it was until then."""
+    rows = [new_seq() for _ in range(8)]
+    for i, seq in enumerate(rows):
+        seq.draft_limit = 0
+        seq.draft_state.next_probe = 1 + i  # due at forwards 1..8
+    n, drafting_forwards, probes = 64, 0, 0
+    for _ in range(n):
+        rooms = batch_rooms(rows, 1.5)
+        drafting_forwards += any(rooms)
+        for seq, room in zip(rows, rooms, strict=True):
+            if room:
+                probes += 1
+                forward(seq, 1, 0, 1.5)  # rejected: the gap doubles
+            else:
+                seq.forwards += 1  # held, or drafts off: nothing changes
+    assert probes >= 8  # every row probed
+    assert drafting_forwards == 1
+    assert all(s.draft_state.gap > PROBE_EVERY for s in rows)
+
+
+def test_a_held_row_keeps_its_state():
+    """apply_result of a row its batch held back (one row, no drafts) leaves its limit and
+    gain as they were; the same forward without a hold would have halved its limit."""
+    from coordinator.engine.row_plan import apply_result, plan_speculative
+    from coordinator.engine.sequence import Phase
+
+    for room, limit in ((0, 4), (None, 2)):
+        seq = drafting(2.0)
+        seq.phase, seq.output, seq.kv_length, seq.forwards = Phase.DECODE, [3], 1, 5
+        plan = plan_speculative(seq, 0, 4096, "lookup", 1.5, room)
+        assert plan.width == 1 and plan.held is (room == 0)
+        apply_result(plan, np.ones(1, bool), np.array([5]), 1.5)
+        assert seq.draft_limit == limit and seq.draft_state.gain == 2.0
+
+
+@pytest.fixture(scope="module")
+def wedlm8(checkpoint_dir):
+    from coordinator.engine.local_engine import open_local_engine
+
+    return open_local_engine(checkpoint_dir("wedlm_qwen3", seed=82), num_rows=8)
+
+
+TEXTS8 = ["count 1 2 3 1 2 3 1 2", "a b c a b", "the cat sat on the mat"] * 3
+
+
+@pytest.mark.parametrize(("break_even", "drafts"), [(1.5, False), (1.3, True)])
+def test_a_real_batch_of_eight_drafts_only_when_it_pays(wedlm8, break_even, drafts):
+    """A real engine, 8 requests in one micro-batch: one speculative request whose drafts
+    pay 4 tokens per forward, 7 whose drafts are off (six speculative, one AR). At a fixed
+    break-even of 1.5 no forward of the batch drafts and the first keeps its state; at 1.3
+    the batch drafts, and the rows whose drafts are off never carry any. Every output is
+    AR's token for token."""
+    engine = wedlm8.engine
+    prompts = [wedlm8.tokenizer.encode(t) for t in TEXTS8[:8]]
+    n = 24
+    ar = [engine.submit(p, GenerationParams(mode="ar", max_tokens=n)) for p in prompts]
+    for _ in engine.stream(ar):
+        pass
+    engine.step_cost.online = False
+    engine.step_cost.seed({1: break_even})
+    before = engine.speculative_batches, engine.drafting_batches
+    spec = GenerationParams(mode="speculative", draft="mask", window=8, max_tokens=n)
+    params = [spec] * 7 + [GenerationParams(mode="ar", max_tokens=n)]
+    seqs = [engine.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+    first = seqs[0]
+    first.draft_limit, first.draft_state.gain = 4, 4.0
+    for seq in seqs[1:7]:
+        seq.draft_limit, seq.draft_state.next_probe = 0, 10**9
+    for _ in engine.stream(seqs):
+        pass
+    assert [s.output for s in seqs] == [s.output for s in ar]
+    batches = engine.speculative_batches - before[0]
+    drafting_batches = engine.drafting_batches - before[1]
+    assert batches >= n - 1
+    assert all(s.draft_forwards == 0 for s in seqs[1:7])
+    if drafts:
+        assert drafting_batches >= 1 and first.draft_forwards == drafting_batches
+    else:
+        assert drafting_batches == 0 and first.draft_forwards == 0
+        assert first.draft_limit == 4 and first.draft_state.gain == 4.0
+
+
+def test_a_spell_without_a_gain_waits_for_the_slot_unless_it_verifies():
+    """In a batch of several rows, a spell whose mask slots found nothing confident yet (no
+    gain, no drafts) explores only at the batch's probe slot; with drafts to verify it
+    explores at once (they are gone after one forward)."""
+    unproven = new_seq()
+    unproven.draft_limit, unproven.forwards = 4, 2
+    rows = [unproven] + [drafts_off_for_now() for _ in range(3)]
+    for seq in rows:
+        seq.draft_state.gap = 64  # (rows whose drafts are off set the slot's gap)
+    assert batch_rooms(rows, 1.5) == [0] * 4
+    unproven.drafts = np.array([7, 8], np.int32)
+    assert batch_rooms(rows, 1.5) == [4, 0, 0, 0]
+    unproven.drafts = np.zeros(0, np.int32)
+    unproven.forwards = PROBE_MAX - 1  # the slot: every min(64 * 4, PROBE_MAX) forwards
+    assert batch_rooms(rows, 1.5) == [4, 0, 0, 0]
+    assert batch_rooms(rows, 1.5, ahead=1) == [0] * 4

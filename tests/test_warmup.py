@@ -184,3 +184,41 @@ def test_the_shape_count_is_a_metric(warmed):
     loop._gauges()
     value = metrics.registry.get_sample_value("wedlm:forward_shapes")
     assert value == local.engine.shapes.count > 0
+
+
+def test_two_stages_measure_the_draft_break_even_through_the_worker(model):
+    """A coordinator and one worker on CPU (warm-up auto: no shapes are warmed there) run
+    2 micro-batches, whose overlapping forwards cannot price drafts online; so before it
+    serves, the coordinator measures the break-even through the worker, per row bucket of a
+    decode group. Speculative requests through the 2 stages then give AR's tokens."""
+    from tests.cluster_harness import (
+        cluster_name,
+        engine_outputs,
+        start_coordinator,
+        start_worker,
+    )
+    from wedlm_client.client import WedlmClient
+
+    name = cluster_name()
+    worker, waddr = start_worker(model, name, "--no-bonjour")
+    coord = None
+    try:
+        coord, address = start_coordinator(
+            model, name, "--no-bonjour", "--worker", waddr, "--expect", "1",
+            "--max-running", "4",
+        )  # fmt: skip
+        measured = coord.expect(r"draft break-even \(.*by rows\): (.*), measured in")
+        assert [b.split(":")[0] for b in measured.group(1).split(", ")] == ["1", "2"]
+        coord.expect("serving")
+        assert not any("warm-up:" in line for line in coord.log)  # no shapes on CPU
+        texts = ["count 1 2 3 1 2 3 1 2", "a b c a b", "the cat sat on the mat"]
+        ar = GenerationParams(mode="ar", max_tokens=16)
+        spec = GenerationParams(mode="speculative", draft="mask", window=4, max_tokens=16)
+        expected = engine_outputs(model, [(t, ar) for t in texts])
+        with WedlmClient(address, timeout=120) as client:
+            got = [client.generate(text=t, params=spec)["tokens"] for t in texts]
+        assert got == expected
+    finally:
+        if coord is not None:
+            coord.stop()
+        worker.stop()

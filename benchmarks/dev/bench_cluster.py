@@ -25,6 +25,7 @@ from tests.cluster_harness import Proc, cluster_name, gpu_env, spawn, start_work
 GPUS_HELP = "GPUs for the workers (GPU 0 stays with the coordinator when N > workers)"
 SERVING = r"wedlm-coordinator serving"
 # coordinator/engine/warmup.py's log line
+BREAK_EVEN = re.compile(r"draft break-even \(.*by rows\): (.*), measured in")
 WARM_UP = re.compile(r"warm-up: (\d+) forwards, (\d+) shapes \((\d+) new\) in ([\d.]+) s")
 
 
@@ -122,6 +123,13 @@ class Cluster:
         forwards, shapes, new, seconds = found[-1].groups()
         return {"forwards": int(forwards), "shapes": int(shapes), "new_shapes": int(new),
                 "seconds": float(seconds), "count": len(found)}  # fmt: skip
+
+    def break_even(self) -> str | None:
+        """The draft break-even the coordinator logged (step_timing.py; None: none)."""
+        if self.coordinator is None:
+            return None
+        found = [m for line in self.coordinator.log if (m := BREAK_EVEN.search(line))]
+        return found[-1].group(1) if found else None
 
     def stop_coordinator(self) -> None:
         if self.coordinator is not None:

@@ -9,10 +9,15 @@ Phases (--phases):
           half of the layers + 1 worker, real processes). Per setting: decode tok/s (tokens
           after the first / decode time, medians over requests at C = 1, aggregate at C = 8),
           tokens per forward, drafts accepted per forward, and whether every output equals
-          AR's; the fraction of forwards that ran without drafts (one row, as AR). The
-          settings run interleaved, --repeats times. Before them the draft break-even (a
-          drafting forward's cost in AR forwards, step_timing.py) is measured at each C
-          (--break-even fixes it instead), and reported with its online refinement.
+          AR's; the fraction of forwards that ran without drafts (one row, as AR), and of
+          the decode micro-batches with a speculative row, the fraction that drafted (one
+          drafting row makes the whole forward a drafting one; draft_policy.py; one
+          process only). The settings run interleaved, --repeats times. Before them the
+          draft break-even (a drafting forward's cost in AR forwards, step_timing.py) is
+          measured at each C
+          (--break-even fixes it instead), and reported with its online refinement. The
+          2-stage coordinator measures its own through the worker (warmup.py), reported
+          as two_stages_break_even from its log.
   lookup  The default model, rewrite / summarize / fix prompts (chat): AR against
           speculative mode with prompt-lookup drafts, one process, C = 1.
   draft   A random bf16 model of Qwen3-8B shape verifying drafts from a random model of
@@ -99,8 +104,11 @@ def med(values) -> float | None:
     return round(statistics.median(values), 4) if values else None
 
 
-def summarize(records: list[dict], wall_s: float, concurrency: int) -> dict:
-    """One setting's requests: decode tok/s (medians at C = 1, aggregate at C > 1)."""
+def summarize(
+    records: list[dict], wall_s: float, concurrency: int, batches: list[int] | None = None
+) -> dict:
+    """One setting's requests: decode tok/s (medians at C = 1, aggregate at C > 1);
+    `batches`: decode micro-batches with a speculative row, and how many of them drafted."""
     tokens = sum(len(r["tokens"]) for r in records)
     forwards = sum(r["forwards"] for r in records)
     out = {
@@ -117,6 +125,8 @@ def summarize(records: list[dict], wall_s: float, concurrency: int) -> dict:
         else None,
         "accepted": sum(r["accepted"] for r in records),
     }
+    if batches and batches[0]:
+        out["drafting_batch_fraction"] = round(batches[1] / batches[0], 3)
     if concurrency == 1:
         out["decode_tok_s"] = med(
             (len(r["tokens"]) - 1) / r["decode_s"] for r in records if r["decode_s"]
@@ -127,7 +137,10 @@ def summarize(records: list[dict], wall_s: float, concurrency: int) -> dict:
     return out
 
 
-def local_run(local, prompts, params: GenerationParams, concurrency: int) -> tuple[list, float]:
+def local_run(local, prompts, params: GenerationParams, concurrency: int):
+    """Records per request, the wall time, and [speculative, drafting] decode batches."""
+    engine = local.engine
+    before = engine.speculative_batches, engine.drafting_batches
     records, wall = [], 0.0
     for start in range(0, len(prompts), concurrency):
         t0 = time.perf_counter()
@@ -141,7 +154,8 @@ def local_run(local, prompts, params: GenerationParams, concurrency: int) -> tup
             | ({"draft_forwards": s.draft_forwards} if params.mode == "speculative" else {})
             for s in seqs
         ]  # fmt: skip
-    return records, wall
+    batches = [engine.speculative_batches - before[0], engine.drafting_batches - before[1]]
+    return records, wall, batches
 
 
 def cluster_run(address: str, prompts, params: GenerationParams, concurrency: int):
@@ -166,15 +180,15 @@ def cluster_run(address: str, prompts, params: GenerationParams, concurrency: in
         for t in threads:
             t.join()
         wall += time.perf_counter() - t0
-    return records, wall
+    return records, wall, None
 
 
-def compare(runs: dict[str, tuple[list, float]], concurrency: int, n_prompts: int) -> dict:
+def compare(runs: dict[str, tuple], concurrency: int, n_prompts: int) -> dict:
     """Summaries per setting; request i is compared with AR's output of prompt i."""
     ar_tokens = [r["tokens"] for r in runs["ar"][0][:n_prompts]]
     out = {}
-    for name, (records, wall) in runs.items():
-        s = summarize(records, wall, concurrency)
+    for name, (records, wall, batches) in runs.items():
+        s = summarize(records, wall, concurrency, batches)
         s["equal_to_ar"] = sum(
             r["tokens"] == ar_tokens[i % n_prompts] for i, r in enumerate(records)
         )
@@ -187,10 +201,9 @@ def compare(runs: dict[str, tuple[list, float]], concurrency: int, n_prompts: in
 
 def mask_settings(args) -> dict[str, GenerationParams]:
     n = args.max_tokens
-    out = {
-        "ar": GenerationParams(mode="ar", max_tokens=n),
-        "wedlm": GenerationParams(mode="wedlm", window=16, threshold=0.6, max_tokens=n),
-    }
+    out = {"ar": GenerationParams(mode="ar", max_tokens=n)}
+    if args.wedlm:
+        out["wedlm"] = GenerationParams(mode="wedlm", window=16, threshold=0.6, max_tokens=n)
     for tau in args.thresholds:
         out[f"speculative-mask-t{tau}"] = GenerationParams(
             mode="speculative", draft="mask", window=args.window, threshold=tau, max_tokens=n
@@ -200,12 +213,14 @@ def mask_settings(args) -> dict[str, GenerationParams]:
 
 def run_settings(runner, prompts, settings, concurrency: int, repeats: int) -> dict:
     """Settings interleaved, `repeats` rounds; records and walls pooled over rounds."""
-    pooled: dict[str, tuple[list, float]] = {k: ([], 0.0) for k in settings}
+    pooled: dict[str, tuple] = {k: ([], 0.0, None) for k in settings}
     for _ in range(repeats):
         for name, params in settings.items():
-            records, wall = runner(prompts, params, concurrency)
+            records, wall, batches = runner(prompts, params, concurrency)
             old = pooled[name]
-            pooled[name] = (old[0] + records, old[1] + wall)
+            if batches is not None and old[2] is not None:
+                batches = [a + b for a, b in zip(old[2], batches, strict=True)]
+            pooled[name] = (old[0] + records, old[1] + wall, batches)
     return compare(pooled, concurrency, len(prompts))
 
 
@@ -248,8 +263,11 @@ def phase_mask(args) -> dict:
 
         cluster = Cluster(model, workers=1, max_running=8, gpus=args.gpus, local=True)
         try:
-            address = cluster.start_coordinator(flags=("--warm-up", "off"))
+            # warm-up auto: on GPUs the shapes and the break-even, on CPU the break-even
+            # alone (a pipeline cannot refine it online: warmup.price_drafts)
+            address = cluster.start_coordinator()
             result["two_stages_layout"] = cluster.layout()
+            result["two_stages_break_even"] = cluster.break_even()
             cluster_run(address, first, warm, 8)
             for c in args.concurrency:
                 for name, prompts in sets.items():
@@ -379,6 +397,9 @@ def main() -> None:
     )
     p.add_argument("--sets", nargs="+", default=["counting", "chat"], choices=["counting", "chat"])
     p.add_argument("--no-stages", dest="stages", action="store_false")
+    p.add_argument(
+        "--no-wedlm", dest="wedlm", action="store_false", help="mask: AR and speculative only"
+    )
     p.add_argument("--gpus", type=int, default=0, help="GPUs for the 2-stage run (0: shared)")
     p.add_argument("--wedlm-model", type=Path, default=WEDLM_MODEL)
     p.add_argument("--lookup-model", default="default", help="model of the lookup phase")

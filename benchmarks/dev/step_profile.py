@@ -14,6 +14,9 @@ wrapped with timers, so each step's wall time splits into
   reap    scheduler.reap and the rest of step()
 Inclusive times of nested calls are charged to the innermost name only.
 
+Speculative runs also report the fraction of decode micro-batches that drafted and the
+draft break-even in use (refined online from the engine's forwards).
+
 Part 2, bare forwards at the same context: T = 1, and a WeDLM window of T rows with the
 explicit (non-causal) mask and with a causal mask, each (a) serial: build + eval, and (b) the
 host's graph build alone (no eval), so device ~= serial - build where they do not overlap.
@@ -115,6 +118,7 @@ def run_mode(
     tokens = forwards = 0
     timers.total.clear()
     forwards_before = engine.forwards
+    batches_before = engine.speculative_batches, engine.drafting_batches
     for start in range(0, len(prompts), concurrency):
         seqs = [engine.submit(p, params) for p in prompts[start : start + concurrency]]
         # the prefill steps are excluded: time the decode steps only
@@ -146,6 +150,19 @@ def run_mode(
         "tokens_per_forward": round(tokens / forwards, 3) if forwards else None,
         "decode_tok_s": round(tokens / sum(steps), 1),
         "split_ms_per_step": split,
+    } | _draft_stats(engine, batches_before, params)
+
+
+def _draft_stats(engine, before: tuple[int, int], params: GenerationParams) -> dict:
+    """Speculative mode: of the decode micro-batches, the fraction that drafted (the batch
+    decides: draft_policy.py), and the break-even in use (step_cost.py, refined online)."""
+    if params.mode != "speculative":
+        return {}
+    batches = engine.speculative_batches - before[0]
+    drafting = engine.drafting_batches - before[1]
+    return {
+        "drafting_batch_fraction": round(drafting / batches, 3) if batches else None,
+        "break_even": {str(r): v for r, v in engine.step_cost.describe().items()},
     }
 
 

@@ -1,24 +1,43 @@
-"""How many drafts each speculative request's next forward may carry: drafts that never
-cost speed.
+"""How many drafts each speculative row of a decode micro-batch carries in its next
+forward: drafts that never cost speed.
 
 A drafting forward (1 + k drafts + m mask slots rows per sequence) costs `break_even` AR
 forwards (one row, launched ahead of the last one's read-back); the engine measures that
-ratio on its own machine and model (step_cost.py). A request drafts only while its recent
-gain, the EMA of tokens committed per drafting forward, exceeds the break-even; otherwise
-its limit is 0 and it decodes as AR, with AR's look-ahead. Within drafting, the limit
-follows acceptance: doubled while every draft is accepted, cut to what was accepted when
-fewer than half are (to 0 when none is), halved when nothing was confident enough to draft.
+ratio per row bucket on its own machine and model (step_cost.py).
+
+Each request keeps its own state: its gain, the EMA of tokens committed per drafting
+forward, and a draft limit that follows acceptance (doubled while every draft is accepted,
+cut to what was accepted when fewer than half are, to 0 when none is, halved when nothing
+was confident enough to draft). Its drafts turn off (limit 0) when its gain falls to the
+break-even.
+
+The decision is made for the micro-batch (`batch_rooms`), because a forward is as wide as
+its widest row: one drafting row makes the forward of all B rows a drafting forward, and
+costs every row AR's look-ahead. So the batch drafts only when the tokens it expects to
+commit with drafts, per row, exceed break_even(B): the sum over rows of each drafting
+row's gain, and 1 for every other row (AR requests, speculative rows with drafts off),
+divided by B. Otherwise no row drafts this forward: the batch decodes as AR, with AR's
+look-ahead, and the rows it held back keep their state as it was (`RowPlan.held`). When the
+batch drafts, every row whose limit allows carries its drafts: the width is paid anyway.
+A row of a WeDLM request makes the forward wide whatever the others do: they draft freely.
+
+Exploration is the exception: a probe, or the forwards of a spell before its gain is known
+(a new request, or one whose probe was just accepted), make the batch draft. A probe (one
+draft; with mask drafts, a forward with mask slots, then one verifying its confident slot)
+tests whether a request whose drafts are off is accepted again: accepted, drafting
+resumes; failed, or a resumed spell that ends without ever paying, the gap to its next
+probe doubles (PROBE_EVERY, 2x, 4x, ... up to PROBE_MAX forwards); a spell that paid resets
+it. Because exploring widens the whole batch, in a batch of several rows it waits for the
+batch's probe slot, and every row due by then explores in it together; a request's first
+forward and one verifying drafts its mask slots made do not wait. A batch of B rows
+explores about as often as one row would: its slot comes every g * B forwards (at most
+PROBE_MAX), g the shortest probe gap among its rows whose drafts are off (PROBE_EVERY while
+none is), so slots also back off as their probes fail.
 
 A drafting forward commits at most window + 1 tokens: where the break-even is at least
 that (a CPU's multi-row forwards can cost 10x a one-row one), drafts can never pay and the
-request decodes as AR from its first forward, with no probes.
-
-At 0 a probe (one draft; with mask drafts, a forward with mask slots, then one verifying
-its confident slot) tests whether drafts are accepted again. A probe whose draft is
-accepted resumes drafting; a probe that fails, or a resumed spell that ends without ever
-paying, doubles the gap to the next probe (PROBE_EVERY, 2x, 4x, ... up to PROBE_MAX
-forwards); a spell that paid resets it. Where drafts never pay, the probes cost a few
-percent. Drafts never change tokens: the output is AR's whatever the limit."""
+request decodes as AR from its first forward, with no probes. Drafts never change tokens:
+the output is AR's whatever the batch decides."""
 
 from __future__ import annotations
 
@@ -59,8 +78,8 @@ def adapt_draft_limit(
     if not can_pay(seq, break_even):
         seq.draft_limit = 0
         return
-    if extra:
-        sample = accepted + 1
+    if extra and (drafted or state.gain is not None):  # a spell's gain starts at its
+        sample = accepted + 1  # first drafts (mask slots alone cannot commit more)
         gain = state.gain
         state.gain = sample if gain is None else GAIN_WEIGHT * sample + (1 - GAIN_WEIGHT) * gain
     if drafted and accepted == drafted:
@@ -97,25 +116,73 @@ def can_pay(seq: Sequence, break_even: float) -> bool:
     return break_even < seq.params.window + 1
 
 
-def draft_room(seq: Sequence, break_even: float = 1.0) -> int:
-    """How many drafts (and mask slots) `seq`'s next forward may carry."""
+def draft_room(seq: Sequence, break_even: float = 1.0, ahead: int = 0) -> int:
+    """How many drafts (and mask slots) `seq`'s next forward may carry by its own state
+    (`ahead`: of the forward after that one, predicted before the next is postprocessed)."""
     limit = seq.draft_limit
     if not can_pay(seq, break_even):
         return 0
     if limit is None:
         return seq.params.window
-    if limit == 0 and seq.forwards + 1 >= seq.draft_state.next_probe:
+    if limit == 0 and seq.forwards + 1 + ahead >= seq.draft_state.next_probe:
         return PROBE_DRAFTS
     return limit
 
 
-def drafts_off(plan: RowPlan, break_even: float = 1.0) -> bool:
-    """Whether a speculative row, read back but not yet postprocessed, and its next forward
-    carry one row each (no drafts, no mask slots): the request then decodes as AR, and the
-    next forward may be AR's look-ahead (engine._launch_ahead)."""
+def batch_rooms(seqs: list[Sequence], break_even: float, ahead: int = 0) -> list[int]:
+    """The drafts (and mask slots) each row of a decode micro-batch of these sequences
+    carries in its next forward: every row's own room when the batch drafts, all 0 when it
+    does not (the module docstring). `break_even`: a drafting forward of len(seqs) rows in
+    AR forwards; `ahead` as in draft_room."""
+    if not seqs:
+        return []
+    slot = _probe_slot(seqs, ahead)
+    rooms, value, explore = [], 0.0, False
+    for seq in seqs:
+        room = draft_room(seq, break_even, ahead) if seq.params.mode == "speculative" else 0
+        if room and _waits(seq, ahead) and not slot:
+            room = 0
+        rooms.append(room)
+        explore |= seq.params.mode == "wedlm"  # a wide forward anyway: drafts cost nothing
+        gain = seq.draft_state.gain
+        if not room:
+            value += 1.0
+        elif seq.draft_limit == 0 or gain is None:
+            explore = True  # a probe, or a spell's first forwards: no gain known yet
+        else:
+            value += gain
+    if explore or value > break_even * len(seqs):
+        return rooms
+    return [0] * len(seqs)
+
+
+def _probe_slot(seqs: list[Sequence], ahead: int) -> bool:
+    """Whether the batch's next forward may explore (module docstring): always for one row;
+    for B rows, every min(g * B, PROBE_MAX)-th forward, g the shortest probe gap among rows
+    whose drafts are off (PROBE_EVERY while none is)."""
+    if len(seqs) == 1:
+        return True
+    clock = max(s.forwards for s in seqs) + 1 + ahead  # the batch's next forward number
+    gap = min((s.draft_state.gap for s in seqs if s.draft_limit == 0), default=PROBE_EVERY)
+    return clock % min(gap * len(seqs), PROBE_MAX) == 0
+
+
+def _waits(seq: Sequence, ahead: int) -> bool:
+    """Whether a row's drafting forward is exploration that waits for its batch's probe
+    slot: a probe, or a spell whose gain is not known yet; not a request's first forward,
+    nor one that verifies drafts its mask slots made (they are gone after one forward;
+    after a one-row forward, whose postprocess `ahead` predicts, there are none)."""
+    if seq.draft_limit is None or (seq.drafts.size and not ahead):
+        return False
+    return seq.draft_limit == 0 or seq.draft_state.gain is None
+
+
+def unchanged_by_postprocess(plan: RowPlan, break_even: float = 1.0) -> bool:
+    """Whether a speculative row, read back but not yet postprocessed, ran one row (no
+    drafts, no mask slots) that leaves its draft state as it was: drafts off, or held back
+    by its batch. The next forward's decision (batch_rooms with ahead=1) is then known
+    before the postprocess, and may be AR's look-ahead (engine._launch_ahead)."""
     seq = plan.seq
     if plan.width != 1:
         return False
-    if not can_pay(seq, break_even):
-        return True
-    return seq.draft_limit == 0 and seq.forwards + 2 < seq.draft_state.next_probe
+    return plan.held or seq.draft_limit == 0 or not can_pay(seq, break_even)

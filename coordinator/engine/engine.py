@@ -26,14 +26,15 @@ from common.model_parts import ModelParts
 from common.rows_spec import RowsSpec
 from common.window_mask import device_visibility
 from coordinator.engine import constrained, logit_bias, token_logprobs
+from coordinator.engine.draft_policy import unchanged_by_postprocess
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, padded_width, row_bucket
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.prompt_sharing import can_share
 from coordinator.engine.row_plan import (
     RowPlan,
+    batch_rooms,
     draft_room,
-    drafts_off,
     plan_autoregressive,
     plan_speculative,
 )
@@ -102,6 +103,10 @@ class Engine:
         # The model's EOS ids and the tokenizer's chat end tokens always stop.
         self.model_stop_ids = tuple(dict.fromkeys(self.config.eos_token_ids + tuple(stop_ids)))
         self.forwards = 0
+        # decode micro-batches with a speculative row, and of those the drafting ones (a
+        # row with drafts or mask slots: the whole forward is as wide; draft_policy.py)
+        self.speculative_batches = 0
+        self.drafting_batches = 0
         self._last_done = 0.0  # when the last forward was read back (step_cost's clock)
         self.shapes = ForwardShapes()  # distinct forward shapes launched (bounded: shape_limits)
         self.undelivered: list[Commit] = []  # commits of a step that then failed
@@ -376,9 +381,9 @@ class Engine:
     def _with_model_drafts(self, plans: list[RowPlan]) -> list[RowPlan]:
         """Rows drafting with the draft model get its proposals, then are planned again
         (their plans were made without drafts)."""
-        rows = [
+        rows = [  # a row its batch held back (draft_policy.batch_rooms) drafts nothing
             i for i, p in enumerate(plans)
-            if p.seq.params.draft == "model" and p.seq.phase is Phase.DECODE
+            if p.seq.params.draft == "model" and p.seq.phase is Phase.DECODE and not p.held
         ]  # fmt: skip
         if not rows or self.drafter is None:
             return plans
@@ -443,6 +448,7 @@ class Engine:
             self._fill_early(flight, host_tokens)
         self.forwards += 1
         self._time_forward(flight)
+        self._count_batch(flight)
         return Ran(flight, np.array(fills), host_tokens, ahead, logprobs)
 
     def _fill_early(self, flight: InFlight, tokens: np.ndarray) -> None:
@@ -503,6 +509,12 @@ class Engine:
                 self.step_cost.observe(AR, len(plans), done - last)
         elif any(p.width > p.keep for p in plans):  # drafts or mask slots
             self.step_cost.observe(DRAFT, len(plans), done - max(flight.started, last))
+
+    def _count_batch(self, flight: InFlight) -> None:
+        spec = [p for p in flight.plans if _speculative(p.seq)]
+        if spec and flight.unit is not PREFILL and not flight.unresolved:
+            self.speculative_batches += 1
+            self.drafting_batches += any(p.width > p.keep for p in spec)
 
     def _launch_other(self, commits: list[Commit]) -> None:
         """Another unit's micro-batch (a prompt chunk, another group) does not depend on
@@ -599,6 +611,8 @@ class Engine:
         be = self.step_cost.break_even(len(plans))
         if not all(_ar_decoding(p.seq) or _drafting_nothing(p, be) for p in plans):
             return False
+        if any(batch_rooms([p.seq for p in plans], be, ahead=1)):
+            return False  # the batch drafts next (draft_policy.batch_rooms)
         joiners = self.scheduler.joiners(flight.unit, plans)
         if joiners is None:
             return False  # a row left the group: the next regular launch takes everyone
@@ -616,9 +630,10 @@ class Engine:
             return False
         started = time.perf_counter()
         nxt = [
-            RowPlan(p.seq, np.zeros(1, np.int32), p.filled, 1, p.head_slots, p.head_is_mask)
+            RowPlan(p.seq, np.zeros(1, np.int32), p.filled, 1, p.head_slots, p.head_is_mask,
+                    held=_speculative(p.seq) and draft_room(p.seq, be, ahead=1) > 0)
             for p in plans
-        ] + [plan_autoregressive(s) for s in joiners]
+        ] + [plan_autoregressive(s) for s in joiners]  # fmt: skip
         batch = build_batch(nxt, padding_ids=self._padding_ids(flight.unit, len(nxt)))
         batch.spec.starts[: len(plans)] += 1  # after step t's row becomes permanent
         ids = tokens[mx.array(live), :1]
@@ -758,14 +773,14 @@ def _wedlm_decoding(plan: RowPlan) -> bool:
     return seq.phase is Phase.DECODE and seq.params.mode == "wedlm" and plan.head_slots.size > 0
 
 
+def _speculative(seq: Sequence) -> bool:
+    return seq.phase is Phase.DECODE and seq.params.mode == "speculative"
+
+
 def _drafting_nothing(plan: RowPlan, break_even: float) -> bool:
-    """A speculative decode row whose drafts are off for now (row_plan.drafts_off)."""
-    seq = plan.seq
-    return (
-        seq.phase is Phase.DECODE
-        and seq.params.mode == "speculative"
-        and drafts_off(plan, break_even)
-    )
+    """A speculative decode row that ran one row and whose draft state its postprocess
+    leaves as it was (draft_policy.unchanged_by_postprocess): drafts off, or held back."""
+    return _speculative(plan.seq) and unchanged_by_postprocess(plan, break_even)
 
 
 def _ar_decoding(seq: Sequence) -> bool:

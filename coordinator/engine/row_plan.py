@@ -10,8 +10,8 @@ import numpy as np
 from coordinator.engine.draft_policy import (  # noqa: F401 (PROBE_EVERY: the policy's)
     PROBE_EVERY,
     adapt_draft_limit,
+    batch_rooms,
     draft_room,
-    drafts_off,
 )
 from coordinator.engine.prompt_lookup import prompt_lookup
 from coordinator.engine.sequence import Phase, Sequence
@@ -27,6 +27,9 @@ class RowPlan:
     head_is_mask: np.ndarray  # [K] which of those may be filled this step
     commits: list[int] = field(default_factory=list)  # tokens committed by this forward
     drafts: int = 0  # speculative mode: draft rows after the `keep` pending ones
+    # speculative mode: its own state would draft, but its batch does not this forward
+    # (draft_policy.batch_rooms); its draft state is left as it was
+    held: bool = False
     canvas: int = 0  # diffusion mode: trailing slots that are a canvas (bidirectional)
     offsets: np.ndarray | None = None  # compacted canvas: each slot's canvas position
     extent: int = 0  # compacted canvas: its length (positions the slots see)
@@ -115,12 +118,19 @@ def plan_autoregressive(seq: Sequence) -> RowPlan:
 
 
 def plan_speculative(
-    seq: Sequence, mask_token_id: int, max_positions: int, source: str, break_even: float = 1.0
+    seq: Sequence,
+    mask_token_id: int,
+    max_positions: int,
+    source: str,
+    break_even: float = 1.0,
+    room: int | None = None,
 ) -> RowPlan:
     """The rows of one verifying forward; `source` is the resolved draft source,
-    `break_even` a drafting forward's cost in AR forwards (draft_policy.py)."""
+    `break_even` a drafting forward's cost in AR forwards, `room` the drafts its batch
+    lets it carry (draft_policy.batch_rooms; None: its own draft room)."""
     pending = np.asarray(seq.pending(), dtype=np.int32)
-    limit = draft_room(seq, break_even)
+    own = draft_room(seq, break_even)
+    limit = own if room is None else min(room, own)
     remaining = seq.params.max_tokens - len(seq.output)
     room = max_positions - seq.kv_length - pending.size  # rows that fit in the context
     if source == "lookup":
@@ -146,6 +156,7 @@ def plan_speculative(
         head_slots=np.arange(c - 1, c + k + m),
         head_is_mask=np.arange(k + 1 + m) > k,
         drafts=k,
+        held=limit == 0 < own,
     )
 
 
@@ -173,7 +184,8 @@ def accept_speculative(
         seq.drafts = np.asarray(tokens[k + 2 : k + 2 + run], dtype=np.int32)
     else:
         seq.drafts = np.zeros(0, np.int32)
-    adapt_draft_limit(seq, k, n, break_even, plan.width - plan.keep)
+    if not plan.held:  # a forward its batch held back says nothing of its drafts
+        adapt_draft_limit(seq, k, n, break_even, plan.width - plan.keep)
     return [int(t) for t in drafted[:n]] + [int(choices[n])]
 
 
@@ -183,13 +195,16 @@ def plan_next(
     prefill_chunk: int,
     max_positions: int,
     break_even: float = 1.0,
+    room: int | None = None,
 ) -> RowPlan:
+    """`room`: a speculative row's drafts as its batch decided (plan_speculative)."""
     if seq.phase in (Phase.WAITING, Phase.PREFILL):
         return plan_prefill(seq, prefill_chunk)
     if seq.params.mode == "wedlm":
         return plan_wedlm(seq, mask_token_id)
     if seq.params.mode == "speculative":
-        return plan_speculative(seq, mask_token_id, max_positions, seq.params.draft, break_even)
+        source = seq.params.draft
+        return plan_speculative(seq, mask_token_id, max_positions, source, break_even, room)
     return plan_autoregressive(seq)
 
 

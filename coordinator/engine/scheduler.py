@@ -11,7 +11,11 @@ decode, a new prompt may wait up to `prefill_hold` decode steps for others to sh
 prefill forward (`prefill_batch` prompts start one at once), as TGI's router waits
 `max_waiting_tokens` steps: arrivals in a busy server then cost one forward per batch of
 prompts instead of one each. Nothing waits when nothing decodes, and a prompt already under
-way (a long one in chunks, a history being rebuilt) is never held."""
+way (a long one in chunks, a history being rebuilt) is never held.
+
+Whether a decode micro-batch's speculative rows carry drafts is decided for the whole
+micro-batch (draft_policy.batch_rooms): one drafting row makes every row's forward a
+drafting one."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from coordinator.engine.forward_shapes import ShapeLimits, padded_width, row_buc
 from coordinator.engine.limits import Limits
 from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.prompt_sharing import forked, leaders_in_use, start_shared, waits
-from coordinator.engine.row_plan import RowPlan, apply_result, plan_next
+from coordinator.engine.row_plan import RowPlan, apply_result, batch_rooms, plan_next
 from coordinator.engine.sequence import Phase, Sequence
 from coordinator.engine.step_cost import StepCost
 
@@ -217,17 +221,22 @@ class Scheduler:
         if unit is PREFILL:
             return self._prefill_plans()
         plans = []
-        for seq in self.groups[unit]:
-            if not seq.finished:
-                plan = self.plan_or_finish(seq, commits)
-                if plan is not None:
-                    plans.append(plan)
+        live = [s for s in self.groups[unit] if not s.finished]
+        # whether the micro-batch drafts is decided for all its rows (draft_policy.py)
+        rooms = batch_rooms(live, self.step_cost.break_even(len(live)))
+        for seq, room in zip(live, rooms, strict=True):
+            plan = self.plan_or_finish(seq, commits, room)
+            if plan is not None:
+                plans.append(plan)
         return plans
 
-    def plan_or_finish(self, seq: Sequence, commits: list[Commit]) -> RowPlan | None:
+    def plan_or_finish(
+        self, seq: Sequence, commits: list[Commit], room: int | None = None
+    ) -> RowPlan | None:
         """`seq`'s next row plan, or None when it finishes without a forward: the tokens
-        that end it are known, or its next window would pass the context."""
-        plan = self.plan(seq)
+        that end it are known, or its next window would pass the context. `room`: the
+        drafts its batch lets a speculative row carry (None: its own draft room)."""
+        plan = self.plan(seq, room)
         if plan.commits and seq.ending(plan.commits)[1] is not None:
             before = len(seq.output)
             seq.phase = seq.commit(plan.commits)
@@ -239,13 +248,13 @@ class Scheduler:
             return None
         return plan
 
-    def plan(self, seq: Sequence) -> RowPlan:
+    def plan(self, seq: Sequence, room: int | None = None) -> RowPlan:
         """What `seq` contributes to its next forward (a decoding strategy's rule)."""
         limits = self.limits
         rows = -(-len(self.running) // max(self.groups_count, 1))  # a decode group's size
         break_even = self.step_cost.break_even(rows)
         return plan_next(
-            seq, self.mask_token_id, limits.prefill_chunk, self.max_positions, break_even
+            seq, self.mask_token_id, limits.prefill_chunk, self.max_positions, break_even, room
         )
 
     def apply(self, plan: RowPlan, row: int, fills, tokens, rows: int = 1) -> list[int]:

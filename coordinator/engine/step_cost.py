@@ -1,14 +1,16 @@
 """What a drafting forward costs against an AR forward, on this machine and model: the
-break-even of speculative drafts (draft_policy.py). A request's drafts pay only while they
-commit more tokens per forward than this ratio.
+break-even of speculative drafts (draft_policy.py). A micro-batch of B rows drafts only
+while its rows together commit more tokens per drafting forward, per row, than
+break_even(B).
 
 It depends on the backend and the model, so it is measured, not assumed: on MLX-CUDA with a
 135M model a forward of several rows costs 2-3x a one-row one (RESULTS.md, SC3); on a Mac
 with a weight-bound model about 1x. Seeded by `measure_step_cost` (warm-up, benchmarks) per
 row bucket, then refined online from the engine's own forwards: the wall time of a decode
 forward whose rows are all one-row (AR, launched ahead) against one carrying drafts, as
-EMAs per row bucket. Unknown (nothing measured yet) is 1.0: drafts pay when anything is
-accepted."""
+EMAs per row bucket (one micro-batch in flight only: a pipeline's overlapping forwards
+show no forward's own time, so a pipeline of stages is measured before readiness instead,
+warmup.py). Unknown (nothing measured yet) is 1.0: drafts pay when anything is accepted."""
 
 from __future__ import annotations
 

@@ -6,7 +6,13 @@ The set: row buckets up to max_rows' bucket x widths (1 for AR rows; the padded 
 W..2W of each window; the padded prompt chunk widths, with as many rows as a prefill
 micro-batch can hold) x the first `spans` attention spans (prompts at the first only). Rows
 use throw-away sequence ids, keep no KV past the forwards that set up their lengths, and are
-released at the end: the engine keeps nothing of it but the shapes it ran."""
+released at the end: the engine keeps nothing of it but the shapes it ran.
+
+Then it measures the break-even of speculative drafts (step_timing.py) through the same
+pipeline. Where the warm-up does not run (MLX's CPU backend), `price_drafts` measures it
+alone wherever the engine cannot refine it online: several micro-batches in flight (a
+pipeline of stages), whose forwards overlap, so that no forward's own wall time is seen
+(engine._time_forward). Speculative requests through 2 stages are then priced too."""
 
 from __future__ import annotations
 
@@ -107,6 +113,18 @@ def warm_up(
         report.seconds,
     )
     return report
+
+
+def price_drafts(engine: Engine, max_rows: int | None = None) -> dict[int, float]:
+    """Measure the break-even of speculative drafts through the engine's pipeline (the
+    workers' hop included), for the row buckets of one decode group, where nothing
+    measured it yet and the engine cannot refine it online (module docstring); returns the
+    ratios measured ({} where none was needed). Call like warm_up."""
+    if engine.micro_batches == 1 or engine.step_cost.seeded:
+        return {}
+    most = max_rows or engine.shape_limits().max_rows
+    group = -(-most // engine.micro_batches)  # a decode group's rows
+    return measure_step_cost(engine, range(1, group + 1))
 
 
 def _bursts(engine: Engine, buckets: list[int], window: int, wedlm: bool) -> None:

@@ -106,7 +106,8 @@ class ServeSettings:
         "auto",
         "run the first forward shapes once before readiness, so that the first requests "
         "do not wait for kernel compilation (auto: on GPUs; MLX's CPU backend compiles "
-        "nothing per shape)",
+        "nothing per shape, so there auto only measures the draft break-even of a "
+        "pipeline of stages)",
         what="run the first forward shapes before readiness: auto, on or off",
         choices=("auto", "on", "off"),
     )

@@ -49,7 +49,7 @@ from coordinator.engine.engine_for import check_draft_model, engine_for
 from coordinator.engine.local_layers import LocalLayers
 from coordinator.engine.pipeline import StagePipeline
 from coordinator.engine.prefix_cache import PrefixCache
-from coordinator.engine.warmup import warm_up
+from coordinator.engine.warmup import price_drafts, warm_up
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.http_server import HttpServer
 from coordinator.model_source.fetch_progress import FetchProgress
@@ -374,8 +374,14 @@ class CoordinatorServer:
         not pay for MLX's kernel compilation (on the thread that owns MLX: the planner
         before serving, the engine thread after a re-plan)."""
         mode = self.opts.warm_up
-        if mode == "off" or (mode == "auto" and mx.default_device() == mx.cpu):
-            return  # MLX's CPU backend compiles nothing per shape: nothing to gain there
+        if mode == "off":
+            return
+        if mode == "auto" and mx.default_device() == mx.cpu:
+            # MLX's CPU backend compiles nothing per shape: nothing to gain there, but a
+            # pipeline of stages cannot price speculative drafts online (warmup.py)
+            if not self.config.diffusion:
+                price_drafts(self.engine, max_rows=self.max_running)
+            return
         if self.config.diffusion:
             from coordinator.engine.diffusion.warmup import warm_up_diffusion
 

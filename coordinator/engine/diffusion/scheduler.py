@@ -64,7 +64,8 @@ class CanvasScheduler(Scheduler):
         )
 
     # ---- planning ------------------------------------------------------------------
-    def plan(self, seq: Sequence) -> RowPlan:
+    def plan(self, seq: Sequence, room: int | None = None) -> RowPlan:
+        """`room` (speculative drafts) does not apply: a diffusion engine drafts nothing."""
         if seq.phase is not Phase.DECODE:
             chunk = plan_prefill(seq, self.limits.prefill_chunk)
             last = seq.prefilled + chunk.width == len(seq.prefill_tokens())
