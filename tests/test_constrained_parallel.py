@@ -5,6 +5,7 @@ unchanged, and a WeDLM-trained model still commits several tokens per forward.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -114,6 +115,17 @@ def test_constrained_wedlm_commits_several_tokens_per_forward(trained):
     assert len(seq.output) / seq.forwards > 2, (len(seq.output), seq.forwards)
 
 
+@contextlib.contextmanager
+def _switched(engine, name: str, value: bool):
+    """The engine's switch `name` set to `value` for the block (restored after)."""
+    old = getattr(engine, name)
+    setattr(engine, name, value)
+    try:
+        yield
+    finally:
+        setattr(engine, name, old)
+
+
 def _spy(monkeypatch, obj, name: str) -> list:
     """Record what obj.name returns (and still run it)."""
     calls = []
@@ -142,13 +154,11 @@ def test_masks_filled_ahead_equal_inline(local, monkeypatch, mode):
     prompts = _prompts(local, 6, f"ahead-{mode}")
     kw = {"mode": mode, "grammar": GRAMMAR, "max_tokens": 60, "seed": 7}
     for temperature in (0.0, 1.0):
-        ahead = _run(local, prompts, temperature=temperature, **kw)
+        with _switched(local.engine, "fill_ahead", True):
+            ahead = _run(local, prompts, temperature=temperature, **kw)
         assert not inline_calls and bool(early) == (mode == "ar")
-        local.engine.fill_ahead = False
-        try:
+        with _switched(local.engine, "fill_ahead", False):
             inline = _run(local, prompts, temperature=temperature, **kw)
-        finally:
-            local.engine.fill_ahead = True
         assert inline_calls  # the inline path ran
         inline_calls.clear()
         assert [s.output for s in ahead] == [s.output for s in inline]
@@ -185,13 +195,11 @@ def test_constrained_wedlm_ahead_equals_serial(local, monkeypatch, temperature):
     dropped = _spy(monkeypatch, engine, "_drop_ahead")
     prompts = _prompts(local, 6, f"wedlm-ahead-{temperature}")
     kw = {"mode": "wedlm", "grammar": GRAMMAR, "max_tokens": 80, "seed": 9}
-    ahead = _run(local, prompts, temperature=temperature, **kw)
+    with _switched(engine, "constrained_ahead", True):
+        ahead = _run(local, prompts, temperature=temperature, **kw)
     assert any(launched) and dropped  # both paths ran
-    engine.constrained_ahead = False
-    try:
+    with _switched(engine, "constrained_ahead", False):
         serial = _run(local, prompts, temperature=temperature, **kw)
-    finally:
-        engine.constrained_ahead = True
     assert [s.output for s in ahead] == [s.output for s in serial]
     assert [s.forwards for s in ahead] == [s.forwards for s in serial]
     for seq in ahead:
@@ -203,11 +211,9 @@ def test_constrained_wedlm_ahead_keeps_parallel_commits(trained, monkeypatch):
     runs and the output and forwards are those without it."""
     launched = _spy(monkeypatch, trained.engine, "_launch_wedlm_ahead")
     grammar = llguidance.LLMatcher.grammar_from_regex(r" (\d+, )+\d+")
-    (ahead,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
+    with _switched(trained.engine, "constrained_ahead", True):
+        (ahead,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
     assert sum(launched) > 1
-    trained.engine.constrained_ahead = False
-    try:
+    with _switched(trained.engine, "constrained_ahead", False):
         (serial,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
-    finally:
-        trained.engine.constrained_ahead = True
     assert (ahead.output, ahead.forwards) == (serial.output, serial.forwards)

@@ -11,11 +11,12 @@ Per C and mode (AR, and WeDLM on a model with a mask token): wall time per commi
 token unconstrained and constrained, the overhead, tokens per decode forward of both
 (constrained WeDLM keeps its parallel commits: coordinator/engine/constrained.py), and
 the mask's own host time inside the window (constrained.fill_masks, the bitmask fill of
-every constrained row, which the engine runs on a thread overlapping its other work, and
-apply_masks, the upload and expansion queued on the device) per token and as a share of
-the window, and the WeDLM look-ahead forwards dropped because the grammar cut a run
-they were built from. --serial adds constrained runs on the path before (the fill inline,
-constrained WeDLM rows never launched ahead). Then the mask's host cost per token
+every constrained row, and apply_masks, the upload and expansion queued on the device)
+per token and as a share of the window. --ahead adds constrained runs on the overlapped
+path (the engine's fill_ahead and constrained_ahead: the fill on a thread overlapping
+the engine's other work, constrained WeDLM rows launched ahead, dropped where the grammar
+cuts a run they were built from), with the look-ahead forwards dropped; on an H100 it
+cost more than the default inline path (RESULTS.md GC2). Then the mask's host cost per token
 replayed over a schema-valid document prefix in a large vocabulary (--mask-tokenizer:
 SmolLM2's 49,152 tokens), one row and C rows filled together.
 
@@ -122,11 +123,12 @@ def best(local, clock: MaskClock, repeats: int, *args, **kw) -> dict:
 
 
 def compare(local, clock: MaskClock, repeats: int, c: int, tokens: int, grammar: str,
-            serial: bool, **kw) -> tuple[dict, list[list[int]]]:  # fmt: skip
-    """Unconstrained against constrained decoding in one mode at concurrency c; with
-    `serial`, constrained on the path before issue 33's changes too (the engine's
-    fill_ahead and constrained_ahead off: masks filled inline, constrained WeDLM rows
-    never launched ahead)."""
+            overlapped: bool, **kw) -> tuple[dict, list[list[int]]]:  # fmt: skip
+    """Unconstrained against constrained decoding in one mode at concurrency c, on the
+    engine's default path (masks filled inline, constrained WeDLM rows never launched
+    ahead); with `overlapped` (--ahead), on the overlapped path too (the engine's
+    fill_ahead and constrained_ahead on: the fill on the grammars' thread, constrained
+    WeDLM rows launched ahead), reported as `ahead_*`."""
     free = best(local, clock, repeats, c, tokens, **kw)
     held = best(local, clock, repeats, c, tokens, grammar=grammar, **kw)
     overhead = held["ms_per_token"] / free["ms_per_token"] - 1
@@ -139,22 +141,22 @@ def compare(local, clock: MaskClock, repeats: int, c: int, tokens: int, grammar:
            "e2e_ms_per_token": round(free["e2e_ms_per_token"], 3),
            "constrained_e2e_ms_per_token": round(held["e2e_ms_per_token"], 3),
            "mask_host_ms_per_token": round(held["mask_ms_per_token"], 4),
-           "mask_share_pct": round(held["mask_share_pct"], 1),
-           "dropped_lookaheads": held["dropped_lookaheads"]}  # fmt: skip
-    if serial:
+           "mask_share_pct": round(held["mask_share_pct"], 1)}  # fmt: skip
+    if overlapped:
         engine = local.engine
-        engine.fill_ahead = engine.constrained_ahead = False
+        engine.fill_ahead = engine.constrained_ahead = True
         try:
-            inline = best(local, clock, repeats, c, tokens, grammar=grammar, **kw)
+            ahead = best(local, clock, repeats, c, tokens, grammar=grammar, **kw)
         finally:
-            engine.fill_ahead = engine.constrained_ahead = True
-        out["serial_same_output"] = inline["outputs"] == held["outputs"]
-        out["serial_constrained_ms_per_token"] = round(inline["ms_per_token"], 3)
-        out["serial_overhead_pct"] = round(
-            100 * (inline["ms_per_token"] / free["ms_per_token"] - 1), 1
+            engine.fill_ahead = engine.constrained_ahead = False
+        out["ahead_same_output"] = ahead["outputs"] == held["outputs"]
+        out["ahead_constrained_ms_per_token"] = round(ahead["ms_per_token"], 3)
+        out["ahead_overhead_pct"] = round(
+            100 * (ahead["ms_per_token"] / free["ms_per_token"] - 1), 1
         )
-        out["serial_constrained_tokens_per_forward"] = inline["tokens_per_forward"]
-        out["serial_mask_share_pct"] = round(inline["mask_share_pct"], 1)
+        out["ahead_constrained_tokens_per_forward"] = ahead["tokens_per_forward"]
+        out["ahead_mask_share_pct"] = round(ahead["mask_share_pct"], 1)
+        out["ahead_dropped_lookaheads"] = ahead["dropped_lookaheads"]
     return out, held["outputs"]
 
 
@@ -229,8 +231,8 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=None, help="WeDLM's (engine default)")
     quick = "tiny sizes (C = 1 and 2, 8 tokens, one run): check that it runs"
     ap.add_argument("--dry-run", action="store_true", help=quick)
-    serial = "also constrained on the path before (fill inline, WeDLM rows not ahead)"
-    ap.add_argument("--serial", action="store_true", help=serial)
+    ahead = "also constrained on the overlapped path (fill on a thread, WeDLM rows ahead)"
+    ap.add_argument("--ahead", action="store_true", help=ahead)
     args = ap.parse_args()
     if args.dry_run:
         args.concurrency, args.tokens, args.repeats = [1, 2], 8, 1
@@ -246,14 +248,14 @@ def main() -> None:
     clock = MaskClock()
     for c in args.concurrency:  # warm-up: every shape's kernels, the llguidance tokenizer
         for kw in modes.values():
-            compare(local, clock, 1, c, args.tokens, grammar, args.serial, **kw)
+            compare(local, clock, 1, c, args.tokens, grammar, args.ahead, **kw)
     results = []
     for c in args.concurrency:
         point: dict = {"concurrency": c}
         outputs: list[list[int]] = []
         for name, kw in modes.items():
             point[name], outputs = compare(local, clock, args.repeats, c, args.tokens, grammar,
-                                           args.serial, **kw)  # fmt: skip
+                                           args.ahead, **kw)  # fmt: skip
         point["replayed_mask_host_ms_per_token"] = mask_cost(grammars, grammar, outputs)
         results.append(point)
     large = replay_cost(args.mask_tokenizer, max(args.concurrency))

@@ -17,13 +17,16 @@ Every decoding mode keeps its parallel commits, and the output always matches th
   under the mask. Later slots are filled from the raw logits, and before a window's
   leading filled run commits it is checked token by token against the grammar and cut at
   the first token it forbids, which becomes a mask again (chosen under the mask once it
-  is the first slot). Every forward whose first slot fills makes progress. A look-ahead
-  forward (wedlm_ahead.py) launched from a window whose run is then cut is dropped and
+  is the first slot). Every forward whose first slot fills makes progress. With the
+  engine's constrained_ahead on, constrained rows are launched ahead too (wedlm_ahead.py),
+  and a look-ahead forward launched from a window whose run is then cut is dropped and
   launched again from the cut window (engine._drop_ahead).
 
-The fill of a forward's masks (fill_masks) runs on a thread of its own from the moment
-its matchers have taken the committed tokens, overlapping the engine thread's other host
-work; the masks are applied last, right before sampling (apply_masks)."""
+The masks are filled on the engine thread before selection and applied last, right
+before sampling (apply_masks). With the engine's fill_ahead on, the fill (fill_masks) runs
+on a thread of its own from the moment its matchers have taken the committed tokens,
+overlapping the engine thread's other host work. Both switches are off by default: on an
+H100 they cost more than they hid (RESULTS.md GC2)."""
 
 from __future__ import annotations
 

@@ -113,13 +113,16 @@ class Engine:
         self.drafter = None  # a DraftModel proposing speculative drafts (use_drafter)
         self._warned: set[str] = set()  # modes whose mode_warning was logged
         self.grammars: constrained.Grammars | None = None  # structured output (use_grammars)
-        # The mask fill of the oldest forward in flight, started on the grammars' thread
-        # once its matchers are advanced (_start_fill); False: filled inline in _choose.
-        self.fill_ahead = True
+        # True: the mask fill of the oldest forward in flight starts on the grammars'
+        # thread once its matchers are advanced (_start_fill); False (the default): filled
+        # inline in _choose. On an H100 (RESULTS.md GC2) the thread cost more than it hid:
+        # AR at C = 32 +16.9 % against +1.0 % inline.
+        self.fill_ahead = False
         self._fill: tuple[int, Future[constrained.Masks]] | None = None
-        # Constrained WeDLM rows are launched ahead too (the look-ahead is dropped when the
-        # grammar cuts a run it was built from); False: they never are (the serial path).
-        self.constrained_ahead = True
+        # True: constrained WeDLM rows are launched ahead too (the look-ahead is dropped when
+        # the grammar cuts a run it was built from); False (the default, GC2: +32.6 %
+        # against +23.6 % at C = 32, the drops cost more than the overlap saved): never.
+        self.constrained_ahead = False
         self._cut: set[int] = set()  # sequences whose run the grammar cut at the last step
         self._taken: dict[int, int] = {}  # seq id -> the token its matcher took early
         self.ahead_dropped = 0  # look-ahead forwards dropped (_drop_ahead), for benchmarks
