@@ -118,8 +118,14 @@ def test_out_of_memory_requeues_and_shrinks_the_budget(server, client, model):
 
 def test_out_of_memory_alone_fails_that_request_with_503(server, client):
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(complete, client, server, "alone in the batch")
-        wait_until(lambda: server["grpc"].cluster_status().running == 1, 30, "1 running")
+        # long enough that the fault lands while it decodes, however fast the machine
+        future = pool.submit(complete, client, server, "alone in the batch", 4 * LONG)
+        wait_until(
+            lambda: future.done() or server["grpc"].cluster_status().running == 1,
+            30,
+            "1 running",
+        )
+        assert not future.done(), f"the request ended before the fault: {_outcome(future)}"
         inject(server, OUT_OF_MEMORY_FAULT)
         with pytest.raises(openai.InternalServerError) as err:
             future.result()
@@ -129,6 +135,11 @@ def test_out_of_memory_alone_fails_that_request_with_503(server, client):
     assert "out of memory" in body["message"] and "KV rows" in body["message"]
     assert complete(client, server, "served after", 8).choices[0].finish_reason
     assert "re-planning" not in "".join(server["proc"].log)
+
+
+def _outcome(future) -> str:
+    error = future.exception()
+    return repr(error) if error else repr(future.result().choices[0])
 
 
 def test_engine_death_fails_every_stream_within_a_second(server, client):
