@@ -105,9 +105,10 @@ def test_out_of_memory_requeues_and_shrinks_the_budget(server, client, model):
         assert answer.choices[0].text == tokenizer.text(tokens)
     log = "".join(server["proc"].log)
     assert "re-planning" not in log
-    shrunk = re.search(r"ran out of memory .*: 4 requests wait to run again, 0 failed; KV "
-                       r"admission budget (\d+) -> (\d+) tokens", log)  # fmt: skip
-    assert shrunk and int(shrunk[1]) == budget_before > int(shrunk[2]) > 0, log
+    # the fault lands once 3 or 4 run (the 4th may still be waiting for its turn)
+    shrunk = re.search(r"ran out of memory .*: ([34]) requests wait to run again, 0 failed; "
+                       r"KV admission budget (\d+) -> (\d+) tokens", log)  # fmt: skip
+    assert shrunk and int(shrunk[2]) == budget_before > int(shrunk[3]) > 0, log
     # once idle, admission goes by memory measured anew
     wait_until(lambda: "idle after running out of memory" in "".join(server["proc"].log), 10)
     assert server["grpc"].cluster_status().state == "serving"
