@@ -7,21 +7,24 @@ import numpy as np
 import pytest
 
 from common.generation_params import GenerationParams
+from coordinator.engine.ar_ahead import next_plans
 from coordinator.engine.draft_policy import (
     PROBE_EVERY,
     PROBE_MAX,
     adapt_draft_limit,
     batch_rooms,
     draft_room,
+    probe_ends,
+    settle_shadow,
     unchanged_by_postprocess,
 )
-from coordinator.engine.row_plan import RowPlan
-from coordinator.engine.sequence import Sequence
+from coordinator.engine.row_plan import RowPlan, plan_speculative
+from coordinator.engine.sequence import Phase, Sequence
 from coordinator.engine.step_cost import AR, DRAFT, ONLINE_MIN, StepCost
 
 
-def new_seq(window: int = 8) -> Sequence:
-    return Sequence(0, [1], GenerationParams(mode="speculative", window=window))
+def new_seq(window: int = 8, draft: str = "auto") -> Sequence:
+    return Sequence(0, [1], GenerationParams(mode="speculative", window=window, draft=draft))
 
 
 def forward(seq: Sequence, drafted: int, accepted: int, break_even: float, extra: int = -1):
@@ -54,6 +57,21 @@ def test_one_and_a_half_tokens_per_forward(break_even, drafting):
     assert (draft_room(seq) > 0) is drafting
     if drafting:
         assert 1.3 < seq.draft_state.gain < 1.7
+
+
+def test_mask_slots_that_draft_nothing_can_turn_drafts_off():
+    """A spell whose gain a forward of mask slots (nothing confident, one token) pulls to
+    the break-even turns its drafts off, with probes; it is not left with a limit its
+    gain can never use (a one-row batch would then hold it back for good)."""
+    seq = new_seq(draft="mask")
+    seq.forwards, seq.draft_limit = 3, 4
+    forward(seq, 2, 1, 1.5, extra=5)  # 2 tokens: the gain starts at 2
+    assert seq.draft_limit > 0
+    forward(seq, 0, 0, 1.5, extra=3)  # 1 token: 0.3 * 1 + 0.7 * 2 = 1.7
+    assert seq.draft_limit > 0 and batch_rooms([seq], 1.5) != [0]
+    forward(seq, 0, 0, 1.5, extra=3)  # 1.49
+    assert seq.draft_limit == 0 and batch_rooms([seq], 1.5) == [0]
+    assert ar_until_probe(seq, 1.5) + 1 == PROBE_EVERY
 
 
 def test_two_and_a_half_tokens_per_forward_pays_at_two():
@@ -110,22 +128,79 @@ def test_a_resumed_spell_that_never_pays_keeps_backing_off():
     assert ar_until_probe(seq, 3.0) + 1 == 2 * PROBE_EVERY
 
 
-def test_a_mask_probe_verifies_its_confident_slot_next():
-    """With mask drafts a probe first runs mask slots; when one is confident, the next
-    forward verifies it (also a probe), and neither is an AR forward."""
-    seq = new_seq()
+def mask_probe(seq: Sequence, guess: int | None, break_even: float = 1.5) -> None:
+    """A mask probe's forward, as apply_result runs it: `guess` is what its confident slot
+    drafted for the position after the token it commits (None: nothing confident)."""
+    seq.forwards += 1
+    seq.drafts = np.array([] if guess is None else [guess], np.int32)
+    adapt_draft_limit(seq, 0, 0, break_even, extra_rows=2)
+    seq.output.append(7)  # the token it commits
+
+
+def one_row(seq: Sequence, token: int, break_even: float = 1.5) -> None:
+    """A one-row forward committing `token`, as accept_speculative runs it."""
+    seq.forwards += 1
+    settle_shadow(seq, [token])
+    adapt_draft_limit(seq, 0, 0, break_even, extra_rows=0)
+    seq.output.append(token)
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_a_mask_probe_is_checked_by_the_next_token(right):
+    """With mask drafts a probe is one forward of mask slots; its confident slot's guess is
+    not verified by a drafting forward: the next forward runs one row, and the token it
+    commits at the guessed position settles the probe as the verification would (right:
+    drafting resumes, judged afresh; wrong: the gap doubles)."""
+    seq = new_seq(draft="mask")
     forward(seq, 8, 0, 1.5)
     ar_until_probe(seq, 1.5)
-    seq.drafts = np.array([5], np.int32)  # what the probe's mask slots drafted
-    forward(seq, 0, 0, 1.5, extra=2)
-    assert draft_room(seq) == 1
-    one_row = RowPlan(seq, np.zeros(1, np.int32), np.ones(1, bool), 1, np.zeros(1), np.ones(1))
-    assert batch_rooms([seq], 1.5) == [1]
-    seq.drafts = np.zeros(0, np.int32)
-    forward(seq, 1, 0, 1.5, extra=3)  # rejected: off, the gap doubled
-    assert draft_room(seq) == 0 and unchanged_by_postprocess(one_row)
-    assert batch_rooms([seq], 1.5, ahead=1) == [0]  # the next forward may be AR's look-ahead
+    mask_probe(seq, guess=5)
+    assert seq.draft_state.shadow == (len(seq.output), 5) and seq.drafts.size == 0
+    assert draft_room(seq) == 0 and batch_rooms([seq], 1.5) == [0]
+    one_row(seq, 5 if right else 6)
+    assert seq.draft_state.shadow is None
+    if right:
+        assert seq.draft_limit == 2 and seq.draft_state.gain is None
+        one_row(seq, 9)  # a one-row forward says nothing of the drafts: the limit stays
+        assert draft_room(seq) == 2
+    else:
+        assert seq.draft_limit == 0
+        assert ar_until_probe(seq, 1.5) + 1 == 2 * PROBE_EVERY
+
+
+def test_a_mask_probe_with_nothing_confident_backs_off_at_once():
+    seq = new_seq(draft="mask")
+    forward(seq, 8, 0, 1.5)
+    ar_until_probe(seq, 1.5)
+    mask_probe(seq, guess=None)
+    assert seq.draft_state.shadow is None
     assert ar_until_probe(seq, 1.5) + 1 == 2 * PROBE_EVERY
+
+
+def test_a_mask_probe_rides_the_look_ahead():
+    """ar_ahead.next_plans: the forward after a one-row forward is planned before it is
+    read back. When it is due, a mask probe is: the token of t (a placeholder, fed from
+    the device), then mask slots; the forward after the probe is one row again, with no
+    second probe. Lookup drafts need t's token on the host: no plan ahead."""
+    mask = 99
+    seq = new_seq(draft="mask")
+    seq.phase, seq.output, seq.kv_length = Phase.DECODE, [3], 1
+    forward(seq, 8, 0, 1.5)
+    while draft_room(seq, 1.5, ahead=1) == 0:
+        forward(seq, 0, 0, 1.5, extra=0)
+    row = plan_speculative(seq, mask, 4096, "mask", 1.5, room=0)
+    (probe,) = next_plans([row], 1.5, mask, 4096)
+    assert probe.width == 3 and probe.keep == 1 and probe.drafts == 0 and not probe.held
+    assert probe.tokens[1:].tolist() == [mask, mask] and probe.filled.tolist() == [1, 0, 0]
+    assert probe.head_slots.tolist() == [0, 1, 2] and probe.head_is_mask.tolist() == [0, 1, 1]
+    assert probe_ends(probe)
+    (after,) = next_plans([probe], 1.5, mask, 4096)
+    assert after.width == 1 and not after.head_is_mask.any()
+    lookup = Sequence(1, [1], GenerationParams(mode="speculative", draft="lookup"))
+    lookup.phase, lookup.output, lookup.kv_length = Phase.DECODE, [3], 1
+    lookup.draft_limit = 0
+    row = plan_speculative(lookup, mask, 4096, "lookup", 1.5, room=0)
+    assert next_plans([row], 1.5, mask, 4096) is None
 
 
 def test_step_cost_seeds_refines_and_falls_back():
@@ -141,6 +216,18 @@ def test_step_cost_seeds_refines_and_falls_back():
         cost.observe(DRAFT, 1, 0.006)
     assert cost.break_even(1) == pytest.approx(1.5)
     assert cost.describe()[1] == pytest.approx(1.5)
+
+
+def test_a_slow_first_drafting_forward_does_not_price_drafts_out():
+    """One drafting forward that compiles a new shape (a second) among 6 ms ones: the
+    online figure is a median, so it stays 1.5 (an average seeded by the outlier priced
+    drafts at 175 AR forwards on an H100, and no drafting forward came after to fix it)."""
+    cost = StepCost()
+    cost.observe(DRAFT, 1, 1.0)
+    for _ in range(ONLINE_MIN):
+        cost.observe(AR, 1, 0.004)
+        cost.observe(DRAFT, 1, 0.006)
+    assert cost.break_even(1) == pytest.approx(1.5)
 
 
 def test_measured_break_even_seeds_the_engine_and_changes_no_token(checkpoint_dir):
@@ -325,3 +412,42 @@ def test_a_spell_without_a_gain_waits_for_the_slot_unless_it_verifies():
     unproven.forwards = PROBE_MAX - 1  # the slot: every min(64 * 4, PROBE_MAX) forwards
     assert batch_rooms(rows, 1.5) == [4, 0, 0, 0]
     assert batch_rooms(rows, 1.5, ahead=1) == [0] * 4
+
+
+def test_a_real_mask_probe_rides_the_look_ahead(wedlm8):
+    """A real engine, one speculative request whose drafts are off with a probe due at its
+    8th forward (the prompt's counts as its first): the probe (one token and two mask
+    slots) and the forward after it are both launched ahead, so every forward after the
+    first decode forward is (until a right guess resumes drafting). The output is AR's
+    token for token."""
+    engine = wedlm8.engine
+    prompt = wedlm8.tokenizer.encode(TEXTS8[0])
+    n = 20
+    ar = engine.submit(prompt, GenerationParams(mode="ar", max_tokens=n))
+    for _ in engine.stream([ar]):
+        pass
+    engine.step_cost.online = False
+    engine.step_cost.seed({1: 1.5})
+    ahead: list[int] = []  # widths of the look-ahead forwards, in order
+    launch = engine._launch_ahead
+
+    def spy(flight, tokens):
+        launched = launch(flight, tokens)
+        if launched:
+            ahead.append(max(p.width for p in engine.in_flight[-1].plans))
+        return launched
+
+    engine._launch_ahead = spy
+    try:
+        spec = GenerationParams(mode="speculative", draft="mask", max_tokens=n)
+        seq = engine.submit(prompt, spec)
+        seq.draft_limit, seq.draft_state.next_probe = 0, PROBE_EVERY
+        for _ in engine.stream([seq]):
+            pass
+    finally:
+        del engine._launch_ahead
+    assert seq.output == ar.output and seq.forwards > PROBE_EVERY + 1
+    # forwards 3 .. 7 one row, the 8th the probe, the 9th one row again
+    assert ahead[: PROBE_EVERY - 1] == [1] * (PROBE_EVERY - 3) + [3, 1]
+    if seq.draft_forwards == 1:  # the guess was wrong, or nothing was confident
+        assert len(ahead) == seq.forwards - 2 and seq.draft_limit == 0

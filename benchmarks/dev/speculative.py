@@ -12,7 +12,9 @@ Phases (--phases):
           AR's; the fraction of forwards that ran without drafts (one row, as AR), and of
           the decode micro-batches with a speculative row, the fraction that drafted (one
           drafting row makes the whole forward a drafting one; draft_policy.py; one
-          process only). The settings run interleaved, --repeats times. Before them the
+          process only). The settings run interleaved group by group, --repeats times;
+          vs_ar_paired is the median of each group's tok/s over AR's on the same group
+          moments before or after (the machines' speed drifts). Before them the
           draft break-even (a drafting forward's cost in AR forwards, step_timing.py) is
           measured at each C
           (--break-even fixes it instead), and reported with its online refinement. The
@@ -212,16 +214,43 @@ def mask_settings(args) -> dict[str, GenerationParams]:
 
 
 def run_settings(runner, prompts, settings, concurrency: int, repeats: int) -> dict:
-    """Settings interleaved, `repeats` rounds; records and walls pooled over rounds."""
+    """Settings interleaved group by group (C prompts submitted together), `repeats`
+    rounds, the order of the settings rotated each time; records and walls pooled over
+    rounds. Every group's tok/s under each setting is also divided by AR's on the same
+    group in the same round, moments apart: the GPU machines' speed drifts by tens of
+    percent within seconds (RESULTS.md SC8), and these paired ratios cancel it."""
     pooled: dict[str, tuple] = {k: ([], 0.0, None) for k in settings}
+    paired: dict[str, list[float]] = {k: [] for k in settings}
+    names = list(settings)
+    groups = [prompts[i : i + concurrency] for i in range(0, len(prompts), concurrency)]
+    turn = 0
     for _ in range(repeats):
-        for name, params in settings.items():
-            records, wall, batches = runner(prompts, params, concurrency)
-            old = pooled[name]
-            if batches is not None and old[2] is not None:
-                batches = [a + b for a, b in zip(old[2], batches, strict=True)]
-            pooled[name] = (old[0] + records, old[1] + wall, batches)
-    return compare(pooled, concurrency, len(prompts))
+        for group in groups:
+            order = names[turn % len(names) :] + names[: turn % len(names)]
+            turn += 1
+            speed = {}
+            for name in order:
+                records, wall, batches = runner(group, settings[name], concurrency)
+                old = pooled[name]
+                if batches is not None and old[2] is not None:
+                    batches = [a + b for a, b in zip(old[2], batches, strict=True)]
+                pooled[name] = (old[0] + records, old[1] + wall, batches)
+                speed[name] = summarize(records, wall, concurrency)["decode_tok_s"]
+            for name in names:
+                if speed[name] and speed.get("ar"):
+                    paired[name].append(speed[name] / speed["ar"])
+    out = compare(pooled, concurrency, len(prompts))
+    for name, ratios in paired.items():
+        out[name]["vs_ar_paired"] = med(ratios)
+        out[name]["vs_ar_paired_quartiles"] = quartiles(ratios)
+    return out
+
+
+def quartiles(values: list[float]) -> list[float] | None:
+    if len(values) < 4:
+        return None
+    q = statistics.quantiles(values, n=4)
+    return [round(q[0], 3), round(q[2], 3)]
 
 
 def phase_mask(args) -> dict:
@@ -353,6 +382,10 @@ def phase_draft(args) -> dict:
     return out
 
 
+def _ratio(setting: dict) -> float:
+    return setting.get("vs_ar_paired") or setting["vs_ar"] or 0
+
+
 def plot(result: dict, path: Path) -> None:
     if (plt := pyplot()) is None:
         return
@@ -364,9 +397,9 @@ def plot(result: dict, path: Path) -> None:
     for ax, key in zip(axes[0], panels, strict=True):
         d = mask[key]
         names = list(d)
-        ax.bar(range(len(names)), [d[n]["vs_ar"] or 0 for n in names])
+        ax.bar(range(len(names)), [_ratio(d[n]) for n in names])
         for i, n in enumerate(names):
-            ax.text(i, (d[n]["vs_ar"] or 0) + 0.02, f"{d[n]['tokens_per_forward']}", ha="center",
+            ax.text(i, _ratio(d[n]) + 0.02, f"{d[n]['tokens_per_forward']}", ha="center",
                     fontsize=7)  # fmt: skip
         ax.axhline(1.0, color="gray", ls=":")
         ax.axhline(1.5, color="red", ls="--", lw=0.8)

@@ -22,12 +22,17 @@ batch drafts, every row whose limit allows carries its drafts: the width is paid
 A row of a WeDLM request makes the forward wide whatever the others do: they draft freely.
 
 Exploration is the exception: a probe, or the forwards of a spell before its gain is known
-(a new request, or one whose probe was just accepted), make the batch draft. A probe (one
-draft; with mask drafts, a forward with mask slots, then one verifying its confident slot)
+(a new request, or one whose probe was just accepted), make the batch draft. A probe
 tests whether a request whose drafts are off is accepted again: accepted, drafting
 resumes; failed, or a resumed spell that ends without ever paying, the gap to its next
 probe doubles (PROBE_EVERY, 2x, 4x, ... up to PROBE_MAX forwards); a spell that paid resets
-it. Because exploring widens the whole batch, in a batch of several rows it waits for the
+it. With lookup or model drafts a probe is one forward with one draft. With mask drafts it
+is one forward with mask slots, launched ahead like AR's forwards (engine._launch_ahead):
+its confident slot's token (the guess for the position after the token it commits) is not
+verified by a drafting forward but checked against the token the next forward, one row,
+commits there (`settle_shadow`): that is the model's own choice given the same text, so
+the check is the verification's, and the chain of look-ahead forwards never breaks.
+Because exploring widens the whole batch, in a batch of several rows it waits for the
 batch's probe slot, and every row due by then explores in it together; a request's first
 forward and one verifying drafts its mask slots made do not wait. A batch of B rows
 explores about as often as one row would: its slot comes every g * B forwards (at most
@@ -60,6 +65,9 @@ class DraftState:
     gap: int = PROBE_EVERY  # forwards between probes while drafts are off
     next_probe: int = 0  # the forward number (Sequence.forwards) of the next probe
     paid: bool = True  # drafting paid since it last resumed (the first spell counts as paid)
+    # a mask probe's confident guess, checked when the output reaches its index:
+    # (output index, token)
+    shadow: tuple[int, int] | None = None
 
 
 def adapt_draft_limit(
@@ -86,13 +94,17 @@ def adapt_draft_limit(
         limit = max(1, 2 * limit)
     elif drafted and 2 * accepted < drafted:
         limit = accepted
-    elif not drafted and seq.forwards > 1:  # nothing confident enough to draft
-        limit //= 2
-    if drafted:
-        if state.gain is not None and state.gain <= break_even:
-            limit = 0  # drafting costs more than it commits
-        elif accepted + 1 > break_even:
-            state.paid = True
+    elif not drafted and seq.forwards > 1 and (extra or seq.params.draft != "mask"):
+        limit //= 2  # nothing to draft: no lookup match, or mask slots none confident
+        # (a mask row's one-row forward had no slots: a look-ahead launched before a
+        # resume, settle_shadow)
+    if extra and state.gain is not None and state.gain <= break_even:
+        # drafting costs more than it commits (a forward of mask slots that drafted
+        # nothing counts too: held back by its batch alone, the row would never draft
+        # nor probe again)
+        limit = 0
+    elif drafted and accepted + 1 > break_even:
+        state.paid = True
     seq.draft_limit = min(limit, seq.params.window)
     if seq.draft_limit == 0:
         state.gap = PROBE_EVERY if state.paid else min(2 * state.gap, PROBE_MAX)
@@ -100,15 +112,45 @@ def adapt_draft_limit(
 
 
 def _probed(seq: Sequence, drafted: int, accepted: int) -> None:
+    """After a probe, before its tokens are committed (one when it carried no draft)."""
     state = seq.draft_state
     if drafted and accepted == drafted:  # accepted again: a new spell, judged afresh
-        seq.draft_limit = 2 * drafted
-        state.gain, state.paid = None, False
-    elif not drafted and seq.drafts.size:  # mask slots drafted: the next forward verifies
-        state.next_probe = seq.forwards + 1
-    else:
-        state.gap = min(2 * state.gap, PROBE_MAX)
+        _resume(seq, drafted)
+    elif not drafted and seq.drafts.size:  # a confident mask slot: checked next forward
+        state.shadow = (len(seq.output) + 1, int(seq.drafts[0]))
+        seq.drafts = seq.drafts[:0]
         state.next_probe = seq.forwards + state.gap
+    else:
+        _back_off(seq)
+
+
+def settle_shadow(seq: Sequence, tokens: list[int]) -> None:
+    """A forward commits `tokens` from output index len(seq.output) on: where a mask probe
+    guessed one of those indices, the guess is settled as its verification would be
+    (module docstring)."""
+    state = seq.draft_state
+    if state.shadow is None:
+        return
+    index, guess = state.shadow
+    offset = index - len(seq.output)
+    if offset >= len(tokens):
+        return  # not reached yet
+    state.shadow = None
+    if offset >= 0 and tokens[offset] == guess:
+        _resume(seq, 1)
+    else:  # a wrong guess (or one whose index went by unchecked: not expected)
+        _back_off(seq)
+
+
+def _resume(seq: Sequence, drafted: int) -> None:
+    seq.draft_limit = 2 * drafted
+    seq.draft_state.gain, seq.draft_state.paid = None, False
+
+
+def _back_off(seq: Sequence) -> None:
+    state = seq.draft_state
+    state.gap = min(2 * state.gap, PROBE_MAX)
+    state.next_probe = seq.forwards + state.gap
 
 
 def can_pay(seq: Sequence, break_even: float) -> bool:
@@ -124,7 +166,8 @@ def draft_room(seq: Sequence, break_even: float = 1.0, ahead: int = 0) -> int:
         return 0
     if limit is None:
         return seq.params.window
-    if limit == 0 and seq.forwards + 1 + ahead >= seq.draft_state.next_probe:
+    state = seq.draft_state
+    if limit == 0 and seq.forwards + 1 + ahead >= state.next_probe and state.shadow is None:
         return PROBE_DRAFTS
     return limit
 
@@ -186,3 +229,19 @@ def unchanged_by_postprocess(plan: RowPlan, break_even: float = 1.0) -> bool:
     if plan.width != 1:
         return False
     return plan.held or seq.draft_limit == 0 or not can_pay(seq, break_even)
+
+
+def probe_ends(plan: RowPlan) -> bool:
+    """Whether a speculative row, read back but not yet postprocessed, was a mask probe (one
+    pending token, mask slots, drafts off): its postprocess commits one token and leaves
+    drafts off, its next probe PROBE_EVERY or more forwards away, so its next forward is
+    one row (engine._launch_ahead launches it before the postprocess)."""
+    seq = plan.seq
+    return (
+        seq.params.draft == "mask"
+        and seq.draft_limit == 0
+        and plan.keep == 1
+        and plan.drafts == 0
+        and plan.width > 1
+        and not plan.held
+    )

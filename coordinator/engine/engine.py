@@ -26,14 +26,13 @@ from common.model_parts import ModelParts
 from common.rows_spec import RowsSpec
 from common.window_mask import device_visibility
 from coordinator.engine import constrained, logit_bias, token_logprobs
-from coordinator.engine.draft_policy import unchanged_by_postprocess
+from coordinator.engine.ar_ahead import ar_decoding, next_plans, speculative
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, padded_width, row_bucket
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.prompt_sharing import can_share
 from coordinator.engine.row_plan import (
     RowPlan,
-    batch_rooms,
     draft_room,
     plan_autoregressive,
     plan_speculative,
@@ -126,6 +125,7 @@ class Engine:
         self._cut: set[int] = set()  # sequences whose run the grammar cut at the last step
         self._taken: dict[int, int] = {}  # seq id -> the token its matcher took early
         self.ahead_dropped = 0  # look-ahead forwards dropped (_drop_ahead), for benchmarks
+        self.launched_ahead = 0  # forwards AR's look-ahead launched (_launch_ahead)
 
     def _new_scheduler(
         self, limits: Limits, micro_batches: int, prefix_cache: PrefixCache | None
@@ -510,11 +510,13 @@ class Engine:
         if all(p.width == 1 for p in plans):
             if flight.started < last:  # launched ahead of the last one's read-back
                 self.step_cost.observe(AR, len(plans), done - last)
-        elif any(p.width > p.keep for p in plans):  # drafts or mask slots
+        elif flight.started >= last and any(p.width > p.keep for p in plans):
+            # drafts or mask slots, launched after the last read-back (a probe launched
+            # ahead costs less, and would price the drafting forwards too low)
             self.step_cost.observe(DRAFT, len(plans), done - max(flight.started, last))
 
     def _count_batch(self, flight: InFlight) -> None:
-        spec = [p for p in flight.plans if _speculative(p.seq)]
+        spec = [p for p in flight.plans if speculative(p.seq)]
         if spec and flight.unit is not PREFILL and not flight.unresolved:
             self.speculative_batches += 1
             self.drafting_batches += any(p.width > p.keep for p in spec)
@@ -603,7 +605,8 @@ class Engine:
     def _launch_ahead(self, flight: InFlight, tokens: mx.array) -> bool:
         """For a micro-batch of autoregressive decode rows, launch the next forward from the
         sampled tokens before reading them back, as mlx-lm does: the device computes step
-        t+1 while the host checks stops of step t. A row that stops at t wastes one row of
+        t+1 while the host checks stops of step t (ar_ahead.py: which rows qualify; mask
+        probes of speculative rows ride it too). A row that stops at t wastes one row of
         t+1 (its KV past the end is stale and released). Sequences that joined the group
         since (their prefill just ended) join this forward: their next input is already on
         the host, so arrivals do not break the chain."""
@@ -612,31 +615,26 @@ class Engine:
         if not plans or flight.unit is PREFILL:
             return False
         be = self.step_cost.break_even(len(plans))
-        if not all(_ar_decoding(p.seq) or _drafting_nothing(p, be) for p in plans):
+        limit = self.config.max_position_embeddings
+        own = next_plans(plans, be, self.config.mask_token_id, limit)
+        if own is None:
             return False
-        if any(batch_rooms([p.seq for p in plans], be, ahead=1)):
-            return False  # the batch drafts next (draft_policy.batch_rooms)
         joiners = self.scheduler.joiners(flight.unit, plans)
         if joiners is None:
             return False  # a row left the group: the next regular launch takes everyone
-        if not all(_ar_decoding(s) for s in joiners):
+        if not all(ar_decoding(s) for s in joiners):
             return False
         slot_owed = len(self.in_flight) + 1 >= self.micro_batches
         if slot_owed and self.scheduler.other_work(flight.unit):
             return False  # the slot is owed to a prefill or another group: no starving
         if not joiners and all(len(p.seq.output) + 1 >= p.seq.params.max_tokens for p in plans):
             return False  # every row ends at this step
-        limit = self.config.max_position_embeddings
-        if any(p.seq.kv_length + 2 > limit for p in plans):
+        if any(p.seq.kv_length + 1 + n.width > limit for p, n in zip(plans, own, strict=True)):
             return False
         if any(s.kv_length + 1 > limit for s in joiners):
             return False
         started = time.perf_counter()
-        nxt = [
-            RowPlan(p.seq, np.zeros(1, np.int32), p.filled, 1, p.head_slots, p.head_is_mask,
-                    held=_speculative(p.seq) and draft_room(p.seq, be, ahead=1) > 0)
-            for p in plans
-        ] + [plan_autoregressive(s) for s in joiners]  # fmt: skip
+        nxt = own + [plan_autoregressive(s) for s in joiners]
         batch = build_batch(nxt, padding_ids=self._padding_ids(flight.unit, len(nxt)))
         batch.spec.starts[: len(plans)] += 1  # after step t's row becomes permanent
         ids = tokens[mx.array(live), :1]
@@ -646,10 +644,13 @@ class Engine:
         pad = batch.tokens.shape[0] - ids.shape[0]
         if pad:
             ids = mx.concatenate([ids, mx.zeros((pad, 1), ids.dtype)])
+        if batch.tokens.shape[1] > 1:  # a probe's mask slots (and padding past rows' ends)
+            ids = mx.concatenate([ids.astype(mx.int32), mx.array(batch.tokens[:, 1:])], axis=1)
         batch_id = next(self._batch_ids)
         self.shapes.record(batch.spec)
         self.pipeline.submit(batch_id, batch.spec, self.parts.embed(ids), batch.reply_slots())
         self.in_flight.append(InFlight(batch_id, flight.unit, nxt, batch, started))
+        self.launched_ahead += 1
         return True
 
     def _select(
@@ -774,18 +775,3 @@ def _wedlm_decoding(plan: RowPlan) -> bool:
     """A WeDLM window row (its sequence past its prompt)."""
     seq = plan.seq
     return seq.phase is Phase.DECODE and seq.params.mode == "wedlm" and plan.head_slots.size > 0
-
-
-def _speculative(seq: Sequence) -> bool:
-    return seq.phase is Phase.DECODE and seq.params.mode == "speculative"
-
-
-def _drafting_nothing(plan: RowPlan, break_even: float) -> bool:
-    """A speculative decode row that ran one row and whose draft state its postprocess
-    leaves as it was (draft_policy.unchanged_by_postprocess): drafts off, or held back."""
-    return _speculative(plan.seq) and unchanged_by_postprocess(plan, break_even)
-
-
-def _ar_decoding(seq: Sequence) -> bool:
-    """An autoregressive sequence past its prompt, with its next input token known."""
-    return seq.phase is Phase.DECODE and seq.params.mode == "ar" and bool(seq.output)

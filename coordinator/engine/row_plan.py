@@ -12,6 +12,7 @@ from coordinator.engine.draft_policy import (  # noqa: F401 (PROBE_EVERY: the po
     adapt_draft_limit,
     batch_rooms,
     draft_room,
+    settle_shadow,
 )
 from coordinator.engine.prompt_lookup import prompt_lookup
 from coordinator.engine.sequence import Phase, Sequence
@@ -184,9 +185,11 @@ def accept_speculative(
         seq.drafts = np.asarray(tokens[k + 2 : k + 2 + run], dtype=np.int32)
     else:
         seq.drafts = np.zeros(0, np.int32)
+    committed = [int(t) for t in drafted[:n]] + [int(choices[n])]
+    settle_shadow(seq, committed)  # a mask probe's guess, before this forward's own state
     if not plan.held:  # a forward its batch held back says nothing of its drafts
         adapt_draft_limit(seq, k, n, break_even, plan.width - plan.keep)
-    return [int(t) for t in drafted[:n]] + [int(choices[n])]
+    return committed
 
 
 def plan_next(
