@@ -217,6 +217,28 @@ def test_mask_drafts_on_the_wedlm_trained_checkpoint():
     (sp,) = run_all(local, [(prompt, params)])
     assert sp.output == ar.output
     assert sp.accepted > 0 and len(sp.output) / sp.forwards > 1.3
+    assert local.engine.speculative_chained > 0  # forwards built on the device, ahead
+
+
+def test_mask_drafts_chained_on_the_device_give_the_autoregressive_tokens():
+    """speculative_ahead.py: a drafting spell's next forward built on the device from the
+    step's choices (accepted run, its guesses) before the read-back. Two rows at once,
+    greedy and sampled: the outputs are AR's, as without the look-ahead."""
+    path = shared_model("wedlm-smollm2-135m-r2")
+    local = open_local_engine(path, num_rows=2)
+    engine = local.engine
+    engine.step_cost.online = False
+    engine.step_cost.seed({1: 1.0, 2: 1.0})  # drafts pay whenever one is accepted
+    texts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "10, 20, 30, 40, 50, 60, 70,"]
+    prompts = [local.tokenizer.encode(t) for t in texts]
+    for temperature in (0.0, 0.7):
+        sampling = dict(max_tokens=20, temperature=temperature, seed=5)
+        ar = run_all(local, [(p, GenerationParams(mode="ar", **sampling)) for p in prompts])
+        spec = GenerationParams(mode="speculative", draft="mask", window=8, **sampling)
+        chained = engine.speculative_chained
+        sp = run_all(local, [(p, spec) for p in prompts])
+        assert [s.output for s in sp] == [s.output for s in ar]
+        assert engine.speculative_chained > chained and sum(s.accepted for s in sp) > 0
 
 
 def test_a_forward_with_no_drafts_commits_the_models_choice(engines):

@@ -258,6 +258,7 @@ def phase_mask(args) -> dict:
     if not (model / "config.json").exists():
         return {"skipped": f"{model} is absent"}
     local = open_local_engine(model, num_rows=8)
+    local.engine.speculative_ahead = args.speculative_ahead
     tok = local.tokenizer
     sets = {
         "counting": [tok.encode(t) for t in COUNTING[: args.prompts]],
@@ -285,6 +286,7 @@ def phase_mask(args) -> dict:
             )
     # refined online from the runs' own forwards (step_cost.py)
     result["break_even_after"] = {str(r): v for r, v in local.engine.step_cost.describe().items()}
+    result["speculative_chained"] = local.engine.speculative_chained  # speculative_ahead.py
     local = None  # one serving process at a time: free this one's memory first
     mx.clear_cache()
     if args.stages:
@@ -432,6 +434,13 @@ def main() -> None:
     p.add_argument("--no-stages", dest="stages", action="store_false")
     p.add_argument(
         "--no-wedlm", dest="wedlm", action="store_false", help="mask: AR and speculative only"
+    )
+    p.add_argument(
+        "--no-speculative-ahead",
+        dest="speculative_ahead",
+        action="store_false",
+        help="one process: read each drafting forward back before the next (the engine's "
+        "speculative_ahead off)",
     )
     p.add_argument("--gpus", type=int, default=0, help="GPUs for the 2-stage run (0: shared)")
     p.add_argument("--wedlm-model", type=Path, default=WEDLM_MODEL)

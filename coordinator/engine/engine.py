@@ -25,7 +25,7 @@ from common.layer_runner import select_slots
 from common.model_parts import ModelParts
 from common.rows_spec import RowsSpec
 from common.window_mask import device_visibility
-from coordinator.engine import constrained, logit_bias, token_logprobs
+from coordinator.engine import constrained, logit_bias, speculative_ahead, token_logprobs
 from coordinator.engine.ar_ahead import ar_decoding, next_plans, speculative
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, padded_width, row_bucket
 from coordinator.engine.pipeline import Pipeline
@@ -62,6 +62,10 @@ class InFlight:
     unresolved: bool = False
     # A look-ahead forward whose inputs went stale (_drop_ahead): read back and discarded.
     dropped: bool = False
+    # a speculative look-ahead forward (speculative_ahead.py): its rows' width and the
+    # most drafts each row carries
+    width: int = 0
+    caps: list[int] | None = None
 
 
 @dataclass
@@ -122,10 +126,15 @@ class Engine:
         # the grammar cuts a run it was built from); False (the default, GC2: +32.6 %
         # against +23.6 % at C = 32, the drops cost more than the overlap saved): never.
         self.constrained_ahead = False
+        # True: a speculative drafting spell's next forward is built on the device and
+        # launched before the read-back (speculative_ahead.py); False: read back first
+        self.speculative_ahead = True
         self._cut: set[int] = set()  # sequences whose run the grammar cut at the last step
         self._taken: dict[int, int] = {}  # seq id -> the token its matcher took early
         self.ahead_dropped = 0  # look-ahead forwards dropped (_drop_ahead), for benchmarks
         self.launched_ahead = 0  # forwards AR's look-ahead launched (_launch_ahead)
+        self.speculative_chained = 0  # speculative forwards built on the device, ahead
+        self._compiling: set[int] = set()  # forwards of a shape new to this engine
 
     def _new_scheduler(
         self, limits: Limits, micro_batches: int, prefix_cache: PrefixCache | None
@@ -344,7 +353,7 @@ class Engine:
         batch = build_batch(plans, padding_ids=self._padding_ids(unit, len(plans)))
         hidden = self.parts.embed(mx.array(batch.tokens))
         batch_id = next(self._batch_ids)
-        self.shapes.record(batch.spec)
+        self._record_shape(batch_id, batch.spec)
         self.pipeline.submit(batch_id, batch.spec, hidden, batch.reply_slots())
         for plan in plans:  # the stages copy cached rows as this forward reaches them
             if plan.seq.prefix is not None:
@@ -440,8 +449,10 @@ class Engine:
         # work in order, so the sync below then waits for step t only, not for t+1.
         extra = logprobs.arrays() if logprobs is not None else []
         mx.async_eval(fills, tokens, *extra)
-        ahead = self._launch_ahead(flight, tokens) or self._launch_wedlm_ahead(
-            flight, fills, tokens
+        ahead = (
+            self._launch_ahead(flight, tokens)
+            or self._launch_wedlm_ahead(flight, fills, tokens)
+            or self._launch_speculative_ahead(flight, fills, tokens)
         )
         if not ahead:
             self._launch_other(commits)
@@ -496,13 +507,19 @@ class Engine:
             seq.matcher.rollback(1)
             del self._taken[seq.seq_id]
 
+    def _record_shape(self, batch_id: int, spec: RowsSpec) -> None:
+        if self.shapes.record(spec):  # its first run compiles: no measure of a step's cost
+            self._compiling.add(batch_id)
+
     def _time_forward(self, flight: InFlight) -> None:
         """Feed step_cost a decode forward's wall time (one micro-batch at a time: with
         several in flight the spans overlap): all one-row rows launched ahead (AR's
         cost), or rows with drafts or mask slots (a drafting forward's)."""
         done, last = time.perf_counter(), self._last_done
         self._last_done = done
-        if self.micro_batches != 1 or flight.unit is PREFILL or flight.unresolved:
+        compiling = flight.batch_id in self._compiling
+        self._compiling.discard(flight.batch_id)
+        if self.micro_batches != 1 or flight.unit is PREFILL or compiling:
             return
         plans = flight.plans
         if any(p.seq.phase is not Phase.DECODE or p.seq.params.mode == "wedlm" for p in plans):
@@ -510,9 +527,8 @@ class Engine:
         if all(p.width == 1 for p in plans):
             if flight.started < last:  # launched ahead of the last one's read-back
                 self.step_cost.observe(AR, len(plans), done - last)
-        elif flight.started >= last and any(p.width > p.keep for p in plans):
-            # drafts or mask slots, launched after the last read-back (a probe launched
-            # ahead costs less, and would price the drafting forwards too low)
+        elif any(p.width > p.keep for p in plans):  # drafts or mask slots, as they run:
+            # launched ahead (a probe, a chained spell) or after the last read-back
             self.step_cost.observe(DRAFT, len(plans), done - max(flight.started, last))
 
     def _count_batch(self, flight: InFlight) -> None:
@@ -571,10 +587,60 @@ class Engine:
             visibility=device_visibility(filled),
         )
         batch_id = next(self._batch_ids)
-        self.shapes.record(spec)
+        self._record_shape(batch_id, spec)
         self.pipeline.submit(batch_id, spec, self.parts.embed(ids))
         # plans of step t stand in until _resolve_ahead names this forward's own
         self.in_flight.append(InFlight(batch_id, flight.unit, plans, None, started, True))
+        return True
+
+    def _launch_speculative_ahead(
+        self, flight: InFlight, fills: mx.array, tokens: mx.array
+    ) -> bool:
+        """For a micro-batch of speculative rows in a drafting spell, launch the next
+        verifying forward from this step's choices before reading them back
+        (speculative_ahead.py). Only where every layer runs in this process, as WeDLM's."""
+        if not self.speculative_ahead or flight.unit is PREFILL:
+            return False
+        if not getattr(self.pipeline, "keeps_later", False):
+            return False
+        live = [i for i, p in enumerate(flight.plans) if not p.seq.finished]
+        plans = [flight.plans[i] for i in live]
+        if not plans or not all(speculative_ahead.chains(p) for p in plans):
+            return False
+        if self.scheduler.joiners(flight.unit, plans) != []:
+            return False  # arrivals or departures: the next regular launch takes everyone
+        slot_owed = len(self.in_flight) + 1 >= self.micro_batches
+        if slot_owed and self.scheduler.other_work(flight.unit):
+            return False  # the slot is owed to a prefill or another group: no starving
+        if all(len(p.seq.output) + p.drafts + 1 >= p.seq.params.max_tokens for p in plans):
+            return False  # every row may end at this step
+        width = flight.batch.tokens.shape[1]
+        limit = self.config.max_position_embeddings
+        if any(p.seq.kv_length + p.keep + width > limit for p in plans):
+            return False
+        started = time.perf_counter()
+        padding = self._padding_ids(flight.unit, len(plans))
+        rows = mx.array(live)
+        caps = speculative_ahead.caps(plans)
+        ids = speculative_ahead.next_inputs(
+            plans, fills[rows], tokens[rows], self.config.mask_token_id, width, len(padding), caps
+        )
+        b = len(plans) + len(padding)
+        spec = RowsSpec(
+            seq_ids=[p.seq.seq_id for p in plans] + padding,
+            starts=np.array([p.seq.kv_length + p.keep for p in plans] + [0] * len(padding)),
+            widths=np.array([width] * len(plans) + [1] * len(padding)),
+            filled=np.ones((b, width), dtype=bool),  # causal rows (speculative_ahead.py)
+            keeps=np.zeros(b, dtype=np.int64),  # named by _resolve_ahead (pipeline.keep)
+        )
+        batch_id = next(self._batch_ids)
+        self._record_shape(batch_id, spec)
+        self.pipeline.submit(batch_id, spec, self.parts.embed(ids))
+        # plans of step t stand in until _resolve_ahead names this forward's own
+        self.in_flight.append(
+            InFlight(batch_id, flight.unit, plans, None, started, True, width=width, caps=caps)
+        )
+        self.speculative_chained += 1
         return True
 
     def _drop_ahead(self, flight: InFlight) -> None:
@@ -591,9 +657,17 @@ class Engine:
         committing tokens end it finishes without them), its kept rows are named to the
         pipeline, and selection will read the head slots of each plan."""
         plans, keeps = [], []
-        for stand_in in flight.plans:
+        for i, stand_in in enumerate(flight.plans):
             seq = stand_in.seq
-            plan = None if seq.finished else self.scheduler.plan_or_finish(seq, commits)
+            if seq.finished:
+                plan = None
+            elif seq.params.mode == "speculative":  # built on the device (speculative_ahead)
+                cap = flight.caps[i]
+                plan = speculative_ahead.resolve(
+                    stand_in, flight.width, cap, self.config.mask_token_id
+                )
+            else:
+                plan = self.scheduler.plan_or_finish(seq, commits)
             if plan is None:  # its row runs anyway; nothing of it is kept or read
                 plan = RowPlan(seq, stand_in.tokens[:1], stand_in.filled[:1], 0, _NONE, _NO)
             plans.append(plan)
@@ -647,7 +721,7 @@ class Engine:
         if batch.tokens.shape[1] > 1:  # a probe's mask slots (and padding past rows' ends)
             ids = mx.concatenate([ids.astype(mx.int32), mx.array(batch.tokens[:, 1:])], axis=1)
         batch_id = next(self._batch_ids)
-        self.shapes.record(batch.spec)
+        self._record_shape(batch_id, batch.spec)
         self.pipeline.submit(batch_id, batch.spec, self.parts.embed(ids), batch.reply_slots())
         self.in_flight.append(InFlight(batch_id, flight.unit, nxt, batch, started))
         self.launched_ahead += 1
