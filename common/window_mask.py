@@ -38,12 +38,9 @@ def _visible(filled_j, is_mask_i, j_le_i):
 
 
 def batch_window_masks(filled_rows: list[np.ndarray], width: int) -> np.ndarray:
-    """[B, width, width] visibilities, padded. A padding slot sees the slots up to itself,
-    as a causal slot would: no slot of the row sees it (they all come before it) and it
-    is never kept, so what it sees changes nothing, and a causal row padded to the
-    bucketed width (a speculative row: its filled slots, then its masks) stays causal,
-    so it takes the fused causal attention instead of an explicit mask (kv_rows.begin)."""
-    out = np.broadcast_to(np.tri(width, dtype=bool), (len(filled_rows), width, width)).copy()
+    """[B, width, width] visibilities, padded: padding slots see only themselves."""
+    out = np.zeros((len(filled_rows), width, width), dtype=bool)
+    out[:, np.arange(width), np.arange(width)] = True
     for b, filled in enumerate(filled_rows):
         t = len(filled)
         if t:
