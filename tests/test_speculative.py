@@ -217,7 +217,6 @@ def test_mask_drafts_on_the_wedlm_trained_checkpoint():
     (sp,) = run_all(local, [(prompt, params)])
     assert sp.output == ar.output
     assert sp.accepted > 0 and len(sp.output) / sp.forwards > 1.3
-    assert local.engine.speculative_chained > 0  # forwards built on the device, ahead
 
 
 def test_mask_drafts_chained_on_the_device_give_the_autoregressive_tokens():
@@ -227,6 +226,7 @@ def test_mask_drafts_chained_on_the_device_give_the_autoregressive_tokens():
     path = shared_model("wedlm-smollm2-135m-r2")
     local = open_local_engine(path, num_rows=2)
     engine = local.engine
+    engine.speculative_ahead = True
     engine.step_cost.online = False
     engine.step_cost.seed({1: 1.0, 2: 1.0})  # drafts pay whenever one is accepted
     texts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "10, 20, 30, 40, 50, 60, 70,"]

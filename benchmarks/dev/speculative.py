@@ -436,11 +436,10 @@ def main() -> None:
         "--no-wedlm", dest="wedlm", action="store_false", help="mask: AR and speculative only"
     )
     p.add_argument(
-        "--no-speculative-ahead",
-        dest="speculative_ahead",
-        action="store_false",
-        help="one process: read each drafting forward back before the next (the engine's "
-        "speculative_ahead off)",
+        "--speculative-ahead",
+        action="store_true",
+        help="one process: build a drafting spell's next forward on the device, before the "
+        "read-back (the engine's speculative_ahead, off by default)",
     )
     p.add_argument("--gpus", type=int, default=0, help="GPUs for the 2-stage run (0: shared)")
     p.add_argument("--wedlm-model", type=Path, default=WEDLM_MODEL)

@@ -127,8 +127,10 @@ class Engine:
         # against +23.6 % at C = 32, the drops cost more than the overlap saved): never.
         self.constrained_ahead = False
         # True: a speculative drafting spell's next forward is built on the device and
-        # launched before the read-back (speculative_ahead.py); False: read back first
-        self.speculative_ahead = True
+        # launched before the read-back (speculative_ahead.py). Off by default: on an H100
+        # a chained forward took 7.8 ms against 9.2 read back first, but some took ~85 ms
+        # (RESULTS.md SC8), which priced drafts out online
+        self.speculative_ahead = False
         self._cut: set[int] = set()  # sequences whose run the grammar cut at the last step
         self._taken: dict[int, int] = {}  # seq id -> the token its matcher took early
         self.ahead_dropped = 0  # look-ahead forwards dropped (_drop_ahead), for benchmarks
@@ -632,6 +634,9 @@ class Engine:
             widths=np.array([width] * len(plans) + [1] * len(padding)),
             filled=np.ones((b, width), dtype=bool),  # causal rows (speculative_ahead.py)
             keeps=np.zeros(b, dtype=np.int64),  # named by _resolve_ahead (pipeline.keep)
+            # as an explicit mask: the fused causal path takes the exact KV span, a key
+            # length new to MLX-CUDA's attention at every step (RESULTS.md SC8)
+            visibility=mx.array(np.broadcast_to(np.tri(width, dtype=bool), (b, width, width))),
         )
         batch_id = next(self._batch_ids)
         self._record_shape(batch_id, spec)
