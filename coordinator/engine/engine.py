@@ -548,6 +548,21 @@ class Engine:
             if picked is not None:
                 self._launch(*picked)
 
+    def _chain_breaks(self, unit: Unit, plans: list[RowPlan]) -> bool:
+        """Whether a look-ahead built on the device must wait for the regular launch:
+        arrivals or departures (it takes everyone), or a slot owed to a prefill or another
+        group (no starving)."""
+        if self.scheduler.joiners(unit, plans) != []:
+            return True
+        slot_owed = len(self.in_flight) + 1 >= self.micro_batches
+        return slot_owed and self.scheduler.other_work(unit)
+
+    def _past_context(self, plans: list[RowPlan], width: int) -> bool:
+        """Whether a next forward `width` wide, after these rows' kept ones, passes the
+        context of some row."""
+        limit = self.config.max_position_embeddings
+        return any(p.seq.kv_length + p.keep + width > limit for p in plans)
+
     def _launch_wedlm_ahead(self, flight: InFlight, fills: mx.array, tokens: mx.array) -> bool:
         """For a micro-batch of WeDLM decode rows, launch the next forward from this step's
         selection before reading it back (wedlm_ahead.py): the device computes step t+1
@@ -562,16 +577,12 @@ class Engine:
         constrained_rows = {p.seq.seq_id for p in plans if p.seq.matcher is not None}
         if constrained_rows and (not self.constrained_ahead or constrained_rows & self._cut):
             return False  # the grammar cut a run at the last step: it may well cut again
-        if self.scheduler.joiners(flight.unit, plans) != []:
-            return False  # arrivals or departures: the next regular launch takes everyone
-        slot_owed = len(self.in_flight) + 1 >= self.micro_batches
-        if slot_owed and self.scheduler.other_work(flight.unit):
-            return False  # the slot is owed to a prefill or another group: no starving
+        if self._chain_breaks(flight.unit, plans):
+            return False
         if all(len(p.seq.output) + len(p.commits) >= p.seq.params.max_tokens for p in plans):
             return False  # every row ends at this step
         width = padded_width(2 * max(p.head_slots.size for p in plans))
-        limit = self.config.max_position_embeddings
-        if any(p.seq.kv_length + p.keep + width > limit for p in plans):
+        if self._past_context(plans, width):
             return False
         started = time.perf_counter()
         padding = self._padding_ids(flight.unit, len(plans))
@@ -609,16 +620,12 @@ class Engine:
         plans = [flight.plans[i] for i in live]
         if not plans or not all(speculative_ahead.chains(p) for p in plans):
             return False
-        if self.scheduler.joiners(flight.unit, plans) != []:
-            return False  # arrivals or departures: the next regular launch takes everyone
-        slot_owed = len(self.in_flight) + 1 >= self.micro_batches
-        if slot_owed and self.scheduler.other_work(flight.unit):
-            return False  # the slot is owed to a prefill or another group: no starving
+        if self._chain_breaks(flight.unit, plans):
+            return False
         if all(len(p.seq.output) + p.drafts + 1 >= p.seq.params.max_tokens for p in plans):
             return False  # every row may end at this step
         width = flight.batch.tokens.shape[1]
-        limit = self.config.max_position_embeddings
-        if any(p.seq.kv_length + p.keep + width > limit for p in plans):
+        if self._past_context(plans, width):
             return False
         started = time.perf_counter()
         padding = self._padding_ids(flight.unit, len(plans))
