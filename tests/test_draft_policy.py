@@ -451,3 +451,15 @@ def test_a_real_mask_probe_rides_the_look_ahead(wedlm8):
     assert ahead[: PROBE_EVERY - 1] == [1] * (PROBE_EVERY - 3) + [3, 1]
     if seq.draft_forwards == 1:  # the guess was wrong, or nothing was confident
         assert len(ahead) == seq.forwards - 2 and seq.draft_limit == 0
+
+
+def test_a_held_row_the_batch_lets_draft_again_waits_for_the_regular_launch():
+    """ar_ahead.next_plans: a row held back at t whose batch would now let it draft (its
+    gain pays) is not planned ahead as one row again (it would be held for good): the
+    regular launch plans its drafts."""
+    seq = drafting(4.0)
+    seq.params = GenerationParams(mode="speculative", draft="mask")
+    seq.phase, seq.output, seq.kv_length = Phase.DECODE, [3], 1
+    held = plan_speculative(seq, 99, 4096, "mask", 1.5, room=0)
+    assert held.width == 1 and held.held and batch_rooms([seq], 1.5, ahead=1) == [4]
+    assert next_plans([held], 1.5, 99, 4096) is None

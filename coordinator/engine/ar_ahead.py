@@ -7,8 +7,8 @@ speculative row that ran one row and whose draft state its postprocess leaves as
 (draft_policy.unchanged_by_postprocess); a mask probe (draft_policy.probe_ends), whose next
 forward is one row. The next forward carries mask slots only for probes with mask drafts
 (a probe needs no token of t's beyond the one fed: its slots are masks), so probes ride
-the chain too; rows the batch holds back stay held (their next forward would otherwise
-depend on what their slots drafted, and the chain would break after the probe)."""
+the chain too. A batch whose rows would carry drafts of their own (a spell, or rows held
+back that the batch now lets draft) waits for the regular launch, which plans them."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def next_plans(
     for plan, room in zip(plans, rooms, strict=True):
         seq = plan.seq
         if room and seq.draft_limit != 0:
-            room = 0  # a held row stays held (module docstring)
+            return None  # the batch drafts: the regular launch plans its drafts
         if room and seq.params.draft != "mask":
             return None  # lookup and model drafts are made from t's token on the host
         own = 0
