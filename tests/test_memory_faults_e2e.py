@@ -93,12 +93,21 @@ def test_default_flags_decode_more_than_16_at_once(server, client):
 def test_out_of_memory_requeues_and_shrinks_the_budget(server, client, model):
     texts = prompts(4)
     tokenizer = Tokenizer(model)
-    expected = engine_outputs(model, [(t, GenerationParams(mode="ar", max_tokens=LONG))
+    # long enough that 3 run at once and the fault lands while they decode, however fast
+    # the machine (a CI run saw fewer than 3 running at any poll with 160 tokens each)
+    n = 4 * LONG
+    expected = engine_outputs(model, [(t, GenerationParams(mode="ar", max_tokens=n))
                                       for t in texts])  # fmt: skip
     budget_before = server["grpc"].cluster_status().kv_budget_tokens
     with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(complete, client, server, t) for t in texts]
-        wait_until(lambda: server["grpc"].cluster_status().running >= 3, 30, "3 running")
+        futures = [pool.submit(complete, client, server, t, n) for t in texts]
+        wait_until(
+            lambda: any(f.done() for f in futures) or server["grpc"].cluster_status().running >= 3,
+            30,
+            "3 running",
+        )
+        done = [_outcome(f) for f in futures if f.done()]
+        assert not done, f"requests ended before 3 ran at once: {done}"
         inject(server, OUT_OF_MEMORY_FAULT)
         answers = [f.result() for f in futures]
     for answer, tokens in zip(answers, expected, strict=True):
