@@ -134,7 +134,6 @@ class Engine:
         self._cut: set[int] = set()  # sequences whose run the grammar cut at the last step
         self._taken: dict[int, int] = {}  # seq id -> the token its matcher took early
         self.ahead_dropped = 0  # look-ahead forwards dropped (_drop_ahead), for benchmarks
-        self.launched_ahead = 0  # forwards AR's look-ahead launched (_launch_ahead)
         self.speculative_chained = 0  # speculative forwards built on the device, ahead
         self._compiling: set[int] = set()  # forwards of a shape new to this engine
 
@@ -440,6 +439,7 @@ class Engine:
         batch_id, hidden = self.pipeline.collect()
         assert batch_id == flight.batch_id, "micro-batches complete in order"
         if flight.dropped:  # its unit launches again from the cut windows
+            self._compiling.discard(flight.batch_id)
             self.scheduler.ahead_dropped(flight.unit)
             self._schedule(commits)
             return self._complete(commits) if self.in_flight else None
@@ -736,7 +736,6 @@ class Engine:
         self._record_shape(batch_id, batch.spec)
         self.pipeline.submit(batch_id, batch.spec, self.parts.embed(ids), batch.reply_slots())
         self.in_flight.append(InFlight(batch_id, flight.unit, nxt, batch, started))
-        self.launched_ahead += 1
         return True
 
     def _select(
@@ -803,6 +802,7 @@ class Engine:
         stale += self._drop_cache()  # rebuilt by use, never trusted stale
         pipeline.release(stale)  # surviving workers may still hold rows of these
         self.in_flight.clear()
+        self._compiling.clear()
         self._padding.clear()
         self.pipeline = pipeline
         if micro_batches:

@@ -12,7 +12,9 @@ then), the guesses if all were accepted, then mask slots up to a fixed width (th
 of this forward: n + 1 + guesses always fit in it). Exactly what row_plan.plan_speculative
 makes from the same state, except for the count of trailing mask slots; the drafts are
 verified whatever their number, so the output is AR's token for token. The row is causal
-(filled slots, then masks), so the forward keeps the fused causal attention.
+(filled slots, then masks); it goes to the layers as an explicit mask all the same, whose
+KV spans are bucketed (the fused causal path takes the exact span, and on MLX-CUDA each new
+key length builds an attention graph: RESULTS.md SC8).
 
 Which rows become permanent KV (n + 1) and which rows' logits are needed are named once
 the host has read this step back (`resolve`), while the forward runs. The draft policy
