@@ -204,6 +204,8 @@ def compare(runs: dict[str, tuple], concurrency: int, n_prompts: int) -> dict:
 def mask_settings(args) -> dict[str, GenerationParams]:
     n = args.max_tokens
     out = {"ar": GenerationParams(mode="ar", max_tokens=n)}
+    if args.ar_control:  # AR again: its paired ratio is the noise floor of the others
+        out["ar-control"] = GenerationParams(mode="ar", max_tokens=n)
     if args.wedlm:
         out["wedlm"] = GenerationParams(mode="wedlm", window=16, threshold=0.6, max_tokens=n)
     for tau in args.thresholds:
@@ -440,6 +442,12 @@ def main() -> None:
         action="store_true",
         help="one process: build a drafting spell's next forward on the device, before the "
         "read-back (the engine's speculative_ahead, off by default)",
+    )
+    p.add_argument(
+        "--ar-control",
+        action="store_true",
+        help="mask: run AR a second time as its own setting; its vs_ar_paired shows how far "
+        "two identical settings land apart on this machine",
     )
     p.add_argument("--gpus", type=int, default=0, help="GPUs for the 2-stage run (0: shared)")
     p.add_argument("--wedlm-model", type=Path, default=WEDLM_MODEL)

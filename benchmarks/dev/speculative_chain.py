@@ -42,6 +42,11 @@ SETTINGS = {
 }
 
 
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", type=Path, default=WEDLM_MODEL)
@@ -100,7 +105,12 @@ def main() -> None:
                 statistics.median(s / a for s, a in zip(speed[name], speed["ar"], strict=True)), 3
             ),
             "forwards": {
-                k: {"count": len(v), "median_ms": round(statistics.median(v), 2)}
+                k: {
+                    "count": len(v),
+                    "median_ms": round(statistics.median(v), 2),
+                    "p90_ms": round(quantile(v, 0.9), 2),
+                    "max_ms": round(max(v), 2),
+                }
                 for k, v in sorted(forwards[name].items())
             },
         }
