@@ -61,8 +61,8 @@ def qmm_us(parts: ModelParts, widths: list[int], repeats: int) -> dict:
                 x = mx.random.normal((1, m, k)).astype(w.dtype)
                 mx.eval(x)
 
-                def chain(x=x, qw=qw, s=s, b=b, bits=bits) -> mx.array:
-                    ys = [mx.quantized_matmul(x, qw, s, b, True, lin.group_size, bits)
+                def chain(x=x, qw=qw, s=s, b=b, bits=bits, group=lin.group_size) -> mx.array:
+                    ys = [mx.quantized_matmul(x, qw, s, b, True, group, bits)
                           for _ in range(CHAIN)]  # fmt: skip
                     return mx.stack(ys)
 
@@ -102,7 +102,7 @@ def pipelined(parts: ModelParts, kv: KVRows, widths: list[int], steps: int) -> d
         windows = window_visibility(wedlm_filled(t))[None] if t > 1 else np.tri(1, dtype=bool)[None]
         heads = np.arange(t)[None] if t > 1 else None
 
-        def step(prev: mx.array) -> mx.array:
+        def step(prev: mx.array, t=t, windows=windows, heads=heads) -> mx.array:
             ids = mx.argmax(prev[:, -1:, :], axis=-1).astype(mx.int32)  # fed on the device
             ids = mx.repeat(ids, t, axis=1)
             hidden = run_layers(parts, parts.embed(ids), kv, windows)
