@@ -3,6 +3,8 @@ bookkeeping (step_cost.py), and its measurement on a real engine (step_timing.py
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -463,3 +465,37 @@ def test_a_held_row_the_batch_lets_draft_again_waits_for_the_regular_launch():
     held = plan_speculative(seq, 99, 4096, "mask", 1.5, room=0)
     assert held.width == 1 and held.held and batch_rooms([seq], 1.5, ahead=1) == [4]
     assert next_plans([held], 1.5, 99, 4096) is None
+
+
+def test_a_drafting_forward_launched_after_the_read_back_is_priced_from_it(wedlm8):
+    """A drafting forward launched after the last read-back makes the device wait for the
+    host's work in between (postprocess, planning), which AR's look-ahead hides: its cost
+    is the time from that read-back, as an AR forward's is. Here 30 ms of host work
+    before each regular launch shows in every drafting forward the online pricing sees
+    (priced from its own launch, 4-row drafts cost 1.0 AR forwards on an H100)."""
+    engine = wedlm8.engine
+    prompt = wedlm8.tokenizer.encode(TEXTS8[0])
+    engine.step_cost.seed({1: 1.0})  # drafts pay whenever anything is accepted
+    seen: list[tuple[str, float]] = []
+    observe, launch = engine.step_cost.observe, engine._launch
+
+    def spy(kind, rows, seconds):
+        seen.append((kind, seconds))
+        observe(kind, rows, seconds)
+
+    def slow_launch(unit, plans):
+        time.sleep(0.03)  # the host's work between a read-back and a regular launch
+        launch(unit, plans)
+
+    engine.step_cost.observe, engine._launch = spy, slow_launch
+    try:
+        seq = engine.submit(prompt, GenerationParams(mode="speculative", draft="mask",
+                                                     max_tokens=24))  # fmt: skip
+        for _ in engine.stream([seq]):
+            pass
+    finally:
+        del engine.step_cost.observe, engine._launch
+        engine.step_cost.seed({})
+    drafts = [s for kind, s in seen if kind == DRAFT]
+    assert seq.draft_forwards > 0 and drafts
+    assert min(drafts) >= 0.03

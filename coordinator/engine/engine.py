@@ -530,8 +530,12 @@ class Engine:
             if flight.started < last:  # launched ahead of the last one's read-back
                 self.step_cost.observe(AR, len(plans), done - last)
         elif any(p.width > p.keep for p in plans):  # drafts or mask slots, as they run:
-            # launched ahead (a probe, a chained spell) or after the last read-back
-            self.step_cost.observe(DRAFT, len(plans), done - max(flight.started, last))
+            # launched ahead (a probe, a chained spell) or after the last read-back. Either
+            # way its cost is the time between read-backs, as AR's is: one launched after
+            # the read-back also makes the device wait for the host's postprocess and
+            # planning in between, which AR's look-ahead hides (its launch alone priced
+            # 4-row drafts at 1.0 AR forwards on an H100, RESULTS.md SC9).
+            self.step_cost.observe(DRAFT, len(plans), done - last)
 
     def _count_batch(self, flight: InFlight) -> None:
         spec = [p for p in flight.plans if speculative(p.seq)]
