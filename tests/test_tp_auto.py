@@ -209,7 +209,10 @@ def test_links_measured_over_real_workers(two_workers):
         for pair in ((LOCAL, a), (a, b)):
             lk = figures.link(*pair)
             assert not lk.error and (lk.a, lk.b) == pair, lk
-            assert 0 < lk.rtt_s < lk.small_s < lk.large_s < 2.0 and lk.bandwidth > 1e6
+            # an empty message and a 256 KiB one take about as long over loopback (a CI
+            # run saw the empty one 4 % slower): only the 4 MiB one is surely slower
+            assert 0 < lk.rtt_s < lk.large_s and 0 < lk.small_s < lk.large_s < 2.0
+            assert lk.bandwidth > 1e6
         assert links[0].info().read_bandwidth == figures.reads[a]  # measured once, reported
         again = survey.measure([me, *entries], [(entries[0], entries[1])])
         assert again.link(a, b) is figures.link(a, b)  # a re-plan reuses recent figures
