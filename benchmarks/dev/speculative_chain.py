@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import numpy as np
+
 from benchmarks.dev.bench_io import finish, run_info
 from benchmarks.dev.speculative import COUNTING, WEDLM_MODEL
 from common.generation_params import GenerationParams
@@ -40,11 +42,6 @@ SETTINGS = {
     "read_back": ("speculative", False),
     "chained": ("speculative", True),
 }
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main() -> None:
@@ -108,7 +105,7 @@ def main() -> None:
                 k: {
                     "count": len(v),
                     "median_ms": round(statistics.median(v), 2),
-                    "p90_ms": round(quantile(v, 0.9), 2),
+                    "p90_ms": round(float(np.percentile(v, 90)), 2),
                     "max_ms": round(max(v), 2),
                 }
                 for k, v in sorted(forwards[name].items())

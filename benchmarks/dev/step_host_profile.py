@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.dev.bench_io import finish, run_info
-from benchmarks.dev.profile_serving import parse_raw
+from benchmarks.dev.profile_serving import parse_raw, summarize
 from benchmarks.dev.speculative import WEDLM_MODEL
 
 MODES = ("ar", "wedlm", "speculative")
@@ -99,32 +99,26 @@ def profile_mode(args, py_spy: str, mode: str) -> dict:
     proc.wait()
     if spy.returncode != 0 or not raw.exists():
         return {"error": spy.stderr[-2000:]}
-    stacks = parse_raw(raw)
-    samples = sum(n for _, _, n in stacks) or 1
+    if not done.get("forwards"):
+        return {"error": f"the child ended (rc {proc.returncode}) before reporting its forwards"}
+    # one entry per function, not per line
+    stacks = [(t, [frame_name(f) for f in frames], n) for t, frames, n in parse_raw(raw)]
+    shares = summarize(stacks, args.top)
     per_s = done["forwards"] / done["seconds"]
     # a sample stands for 1 / rate s of the (non-idle) thread; forwards in the window
-    per_sample = 1e3 / args.rate / (per_s * args.seconds)  # ms per forward
-    own: dict[str, int] = {}
-    inclusive: dict[str, int] = {}
-    for _, frames, n in stacks:
-        names = [frame_name(f) for f in frames]
-        if names:
-            own[names[-1]] = own.get(names[-1], 0) + n
-        for name in set(names):
-            inclusive[name] = inclusive.get(name, 0) + n
+    sampled_ms = 1e3 * shares["samples"] / args.rate / (per_s * args.seconds)
 
-    def top(counts: dict[str, int]) -> list[tuple[str, float]]:
-        heaviest = sorted(counts.items(), key=lambda kv: -kv[1])[: args.top]
-        return [(k, round(per_sample * v, 3)) for k, v in heaviest]
+    def ms(ranked: list[tuple[str, float]]) -> list[tuple[str, float]]:
+        return [(name, round(share * sampled_ms, 3)) for name, share in ranked]
 
     return {
         "forwards_per_s": round(per_s, 1),
         "tokens_per_forward": round(done["tokens"] / done["forwards"], 3),
         "ms_per_forward": round(1e3 / per_s, 3),
-        "sampled_ms_per_forward": round(per_sample * samples, 3),
-        "samples": samples,
-        "inclusive_ms": top(inclusive),
-        "self_ms": top(own),
+        "sampled_ms_per_forward": round(sampled_ms, 3),
+        "samples": shares["samples"],
+        "inclusive_ms": ms(shares["inclusive"]),
+        "self_ms": ms(shares["self"]),
     }
 
 
