@@ -12,6 +12,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from common import small_query_attention
 from common.checkpoint_weights import layer_of, load_tensors
 from common.errors import CheckpointError
 from common.kv_rows import KVRows
@@ -121,6 +122,7 @@ def load_model_parts(
         return load_diffusion_parts(config, layer_range, with_ends)
     try:
         arch = importlib.import_module(f"mlx_lm.models.{config.family}")
+        small_query_attention.install(arch)  # a forward of 2-32 rows skips cuDNN on CUDA
         # Building the whole mlx-lm model only creates lazy parameters; ModelParts keeps
         # the modules it needs and the rest is never materialized.
         full = arch.Model(arch.ModelArgs.from_dict(config.mlx_args()))
