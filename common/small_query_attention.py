@@ -7,7 +7,9 @@ attention, which costs the host a cuDNN graph encode and a CUDA-graph update per
 that idea for 2-32 rows with a mask: a block per query row, all of whose keys it scores
 at once. On an H200 (RESULTS SC10) a call costs 12-16 us of host and device against
 cuDNN's 30-42, and a 2-16-row forward of the 135M model about 2 ms less; the issue's
-benchmark went from 1.7x to 2.9-3.1x AR (WeDLM, counting, C = 1).
+benchmark went from 1.7x to 2.9-3.1x AR (WeDLM, counting, C = 1). It also takes one row
+with a mask array (AR rows of different lengths in one forward), which MLX-CUDA's vector
+kernel refuses and MLX then composes from separate ops.
 
 It reads keys and values in place (the KV buffers' strided slices), honours grouped-query
 heads, and writes [B, T, H, D] so that mlx-lm's transpose-and-reshape after attention
@@ -207,7 +209,8 @@ def _kernel(causal: bool) -> Callable:
 
 def available() -> bool:
     """Whether MLX runs on CUDA here, where the kernel can run."""
-    return mx.default_device().type == mx.gpu and mx.cuda.is_available()
+    cuda = getattr(mx, "cuda", None)  # absent from builds without the CUDA backend
+    return mx.default_device().type == mx.gpu and cuda is not None and cuda.is_available()
 
 
 def enabled() -> bool:
@@ -216,10 +219,12 @@ def enabled() -> bool:
 
 
 def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: object) -> bool:
-    """Whether the kernel takes this attention: 2-32 query rows, a bool or causal mask,
-    a head dim it unrolls, floating KV (a quantized cache goes mlx-lm's own way)."""
-    _, hq, t, d = queries.shape
-    if not 2 <= t <= MAX_QUERIES or d not in HEAD_DIMS or keys.shape[-1] != d:
+    """Whether the kernel takes this attention: 2-32 query rows with a bool or causal mask,
+    or one row with a bool mask (AR rows of different lengths: MLX-CUDA's vector kernel
+    takes no mask array, so MLX would compose the attention from separate ops); a head dim
+    it unrolls; floating KV (a quantized cache goes mlx-lm's own way)."""
+    b, hq, t, d = queries.shape
+    if not 1 <= t <= MAX_QUERIES or d not in HEAD_DIMS or keys.shape[-1] != d:
         return False
     if keys.shape[2] > MAX_KEYS:
         return False
@@ -228,8 +233,15 @@ def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: object) -> b
     if queries.dtype not in (mx.float16, mx.bfloat16, mx.float32) or hq % keys.shape[1]:
         return False
     if isinstance(mask, str):
-        return mask == "causal"
-    return isinstance(mask, mx.array) and mask.dtype == mx.bool_ and mask.ndim == 4
+        return mask == "causal" and t > 1
+    return (
+        isinstance(mask, mx.array)
+        and mask.dtype == mx.bool_
+        and mask.ndim == 4
+        and mask.shape[0] == b
+        and mask.shape[1] in (1, hq)
+        and mask.shape[2:] == (t, keys.shape[2])
+    )
 
 
 def small_query_attention(

@@ -30,11 +30,13 @@ def _qkv(b: int, t: int, span: int, dim: int = 64, dtype=mx.float16):
     return q, k, v, attention_mask(starts, mx.array(windows), span)
 
 
-def test_it_takes_two_to_32_masked_or_causal_query_rows_only():
+def test_it_takes_up_to_32_masked_query_rows_and_causal_ones_from_two():
     q, k, v, mask = _qkv(2, 8, 128)
     assert sqa.fits(q, k, v, mask) and sqa.fits(q, k, v, "causal")
     one, _, _, one_mask = _qkv(2, 1, 128)
-    assert not sqa.fits(one, k, v, one_mask)  # one row: MLX's vector kernel
+    assert sqa.fits(one, k, v, one_mask)  # AR rows of different lengths: MLX has no kernel
+    assert not sqa.fits(one, k, v, None)  # one row, no mask: MLX's vector kernel
+    assert not sqa.fits(q, k, v, mask[:1])  # a mask broadcast over the rows
     wide, wk, wv, wide_mask = _qkv(1, 33, 128)
     assert not sqa.fits(wide, wk, wv, wide_mask)  # a prefill chunk: cuDNN
     assert not sqa.fits(q, k, v, mask.astype(mx.float16))  # an additive mask
@@ -91,11 +93,11 @@ def test_a_model_family_is_routed_once_and_what_the_kernel_does_not_take_is_unch
 @pytest.mark.skipif(not sqa.available(), reason="the kernel runs on MLX's CUDA backend")
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 @pytest.mark.parametrize(
-    "b,t,span", [(1, 2, 64), (1, 16, 128), (8, 8, 192), (4, 32, 512), (3, 5, 64)]
+    "b,t,span", [(1, 2, 64), (1, 16, 128), (8, 8, 192), (4, 32, 512), (3, 5, 64), (8, 1, 320)]
 )
 def test_it_equals_mlx_attention_on_cuda(dtype, b, t, span):
     q, k, v, mask = _qkv(b, t, span, dtype=dtype)
-    for m in (mask, "causal"):
+    for m in (mask, "causal") if t > 1 else (mask,):
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m)
         got = sqa.small_query_attention(q, k, v, 0.125, m)
         assert got.shape == want.shape

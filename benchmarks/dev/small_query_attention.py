@@ -43,7 +43,7 @@ HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M's attention
 # rows, queries per row, keys, key buffer capacity
 PARITY_SHAPES = [(1, 2, 64, 256), (1, 16, 128, 256), (8, 8, 192, 256), (4, 32, 512, 768),
                  (3, 5, 64, 64)]  # fmt: skip
-CALL_WIDTHS = [2, 8, 16, 32]
+CALL_WIDTHS = [1, 2, 8, 16, 32]  # 1: with a mask array, which MLX composes from ops
 FORWARD_WIDTHS = [1, 2, 8, 16, 32]
 CALLS = 30
 
