@@ -5,8 +5,8 @@ causal one). MLX-CUDA sends any attention of more than one query row to cuDNN's 
 attention, which costs the host a cuDNN graph encode and a CUDA-graph update per layer
 (RESULTS SC9). One query row takes MLX's vector kernel and pays neither; this kernel is
 that idea for 2-32 rows with a mask: a block per query row, all of whose keys it scores
-at once. On an H200 (RESULTS SC10) a call costs 12-16 us of host and device against
-cuDNN's 30-42, and a 2-16-row forward of the 135M model about 2 ms less; the issue's
+at once. On an H200 (RESULTS SC10) a call costs 18-36 us of host and device against
+cuDNN's 43-49, and a 2-32-row forward of the 135M model 1.1-3.4 ms less; the issue's
 benchmark went from 1.7x to 2.9-3.1x AR (WeDLM, counting, C = 1). It also takes one row
 with a mask array (AR rows of different lengths in one forward), which MLX-CUDA's vector
 kernel refuses and MLX then composes from separate ops.

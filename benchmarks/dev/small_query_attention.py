@@ -51,7 +51,8 @@ CALLS = 30
 def random_attention(rng, b: int, t: int, span: int, capacity: int, dtype, causal: bool):
     """Queries [b, H, t, D], keys and values as [:b, :, :span] slices of wider buffers (as
     the engine's cache returns them), and a WeDLM window mask at random starts or causal."""
-    def normal(*shape):  # fmt: skip
+
+    def normal(*shape):
         return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
     q = normal(b, t, HEADS, DIM).transpose(0, 2, 1, 3)
