@@ -232,6 +232,24 @@ def test_a_slow_first_drafting_forward_does_not_price_drafts_out():
     assert cost.break_even(1) == pytest.approx(1.5)
 
 
+def test_a_pricing_budget_measures_the_small_buckets_and_prices_the_rest_from_them(
+    checkpoint_dir,
+):
+    """With no time to spare (budget 0), measure_step_cost times the one-row bucket only,
+    and every larger bucket takes its ratio, so a slow backend's startup is not held for
+    every bucket of a decode group (the README's local cluster on 2 CPU cores)."""
+    from coordinator.engine.local_engine import open_local_engine
+    from coordinator.engine.step_timing import measure_step_cost
+
+    local = open_local_engine(checkpoint_dir("wedlm_qwen3", seed=82), num_rows=8)
+    engine = local.engine
+    ratios = measure_step_cost(engine, repeats=1, rounds=1, budget_s=0.0)
+    assert list(ratios) == [1]
+    one = max(1.0, ratios[1])
+    assert [engine.step_cost.break_even(r) for r in (1, 2, 5, 8)] == [pytest.approx(one)] * 4
+    assert not engine.in_flight
+
+
 def test_measured_break_even_seeds_the_engine_and_changes_no_token(checkpoint_dir):
     """measure_step_cost times real forwards of a tiny WeDLM checkpoint; then, with a
     break-even no draft can reach, a speculative request decodes mostly as AR and its

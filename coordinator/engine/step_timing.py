@@ -37,11 +37,18 @@ def measure_step_cost(
     window: int = 8,
     repeats: int = 4,
     rounds: int = 3,
+    budget_s: float | None = None,
 ) -> dict[int, float]:
     """Drafting forward / AR forward, per row bucket (default: every bucket up to the
     engine's max rows), medians of `rounds` interleaved rounds of `repeats` forwards each;
     seeds the engine's StepCost and returns the ratios. Call on the thread that owns MLX
-    while no forward is in flight."""
+    while no forward is in flight.
+
+    budget_s: measure the buckets smallest first and stop where the next one (at least as
+    slow as the last) would end past this many seconds; the larger buckets then take the
+    largest measured one's ratio
+    (StepCost.break_even). A slow backend (MLX's CPU, through stages) would otherwise hold
+    a server's readiness for minutes."""
     assert not engine.in_flight, "measure while no forward is in flight"
     started = time.perf_counter()
     most = engine.shape_limits().max_rows
@@ -52,6 +59,7 @@ def measure_step_cost(
     ratios, used = {}, []
     try:
         for r in buckets:
+            bucket_started = time.perf_counter()
             ids = [TIMING_IDS + len(used) + i for i in range(r)]
             used += ids
             ar = _batch(ids, 0, 0)
@@ -63,6 +71,14 @@ def measure_step_cost(
                 times["ar"].append(_per_forward(engine, ar, repeats, ahead=True))
                 times["draft"].append(_per_forward(engine, draft, repeats, ahead=False))
             ratios[r] = statistics.median(times["draft"]) / statistics.median(times["ar"])
+            spent, last = time.perf_counter() - started, time.perf_counter() - bucket_started
+            if budget_s is not None and spent + last > budget_s and r < buckets[-1]:
+                log.info(
+                    "draft break-even measured up to %d rows in %.1f s (budget %g s): "
+                    "larger row buckets take its ratio",
+                    r, spent, budget_s,
+                )  # fmt: skip
+                break
     finally:
         if used:
             engine.pipeline.release(used)

@@ -45,6 +45,9 @@ WARM_IDS = 1 << 61  # throw-away sequence ids (real ids count up from 0, padding
 WARM_BATCH_IDS = 1 << 41  # batch ids of warm-up forwards (the engine's count up from 1)
 SETUP_WIDTH = 8  # a first forward gives the rows of a bucket KV lengths 0..7, as in serving
 EXTEND_WIDTH = 64  # then each further span adds this many rows of KV
+# price_drafts' time: on MLX's CPU backend through 2 stages every row bucket of a 32-row
+# decode group took over 10 minutes on 2 shared cores, past the local runner's patience
+PRICE_BUDGET_S = 20.0
 
 _AR = GenerationParams(mode="ar", max_tokens=1)
 _SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95}  # the filtering sampling path
@@ -115,16 +118,19 @@ def warm_up(
     return report
 
 
-def price_drafts(engine: Engine, max_rows: int | None = None) -> dict[int, float]:
+def price_drafts(
+    engine: Engine, max_rows: int | None = None, budget_s: float = PRICE_BUDGET_S
+) -> dict[int, float]:
     """Measure the break-even of speculative drafts through the engine's pipeline (the
     workers' hop included), for the row buckets of one decode group, where nothing
     measured it yet and the engine cannot refine it online (module docstring); returns the
-    ratios measured ({} where none was needed). Call like warm_up."""
+    ratios measured ({} where none was needed). Smallest buckets first, within about
+    `budget_s` (step_timing.measure_step_cost). Call like warm_up."""
     if engine.micro_batches == 1 or engine.step_cost.seeded:
         return {}
     most = max_rows or engine.shape_limits().max_rows
     group = -(-most // engine.micro_batches)  # a decode group's rows
-    return measure_step_cost(engine, range(1, group + 1))
+    return measure_step_cost(engine, range(1, group + 1), budget_s=budget_s)
 
 
 def _bursts(engine: Engine, buckets: list[int], window: int, wedlm: bool) -> None:

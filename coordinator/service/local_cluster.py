@@ -84,7 +84,7 @@ def run_local(args: argparse.Namespace) -> int:
         server.start()
         server.ready.wait(START_TIMEOUT_S)
         if server.failed or not server.ready.is_set():
-            raise WedlmError(server.failed or "the workers were not found in time")
+            raise WedlmError(server.failed or _not_ready(server))
         address = f"127.0.0.1:{server.port}"
         print(
             f"local cluster {cluster} at {address}: {server.layout()}", file=sys.stderr, flush=True
@@ -123,3 +123,14 @@ def _answer(address: str, args: argparse.Namespace) -> None:
             elif event[0] == "final":
                 final = event[1]
     print(json.dumps(final) if args.json else "", flush=True)
+
+
+def _not_ready(server: CoordinatorServer) -> str:
+    """Why the local cluster did not come up in START_TIMEOUT_S, by the state it was in."""
+    state = server.state
+    why = {
+        "waiting-for-workers": f"the workers were not found: {server.waiting}",
+        "planning": f"the layers were not assigned: {server.waiting}",
+        "warming-up": "the warm-up (compiling shapes, pricing drafts) did not finish",
+    }.get(state, f"the coordinator was {state}")
+    return f"not ready after {START_TIMEOUT_S:g} s: {why}"

@@ -315,6 +315,7 @@ class CoordinatorServer:
             pipeline, micro_batches = self._first_plan()
             self.engine.use_pipeline(pipeline, micro_batches)
             self._set_kv_budget()
+            self.state = "warming-up"
             self._warm_up_or_replan()
             if self._stopping.is_set():  # stop() came during the plan: start no engine thread
                 raise WedlmError("stopped while planning")
@@ -624,6 +625,8 @@ class CoordinatorServer:
             return self.waiting
         if self.state == "recovering":
             return self.recovery_problem
+        if self.state == "warming-up":
+            return "the warm-up: compiling the first shapes, pricing speculative drafts"
         listed = self.planner.waiting_for() if self.planner is not None else ""
         return f"listed workers not in the plan: {listed}" if listed else ""
 
