@@ -15,7 +15,7 @@ It reads keys and values in place (the KV buffers' strided slices), honours grou
 heads, and writes [B, T, H, D] so that mlx-lm's transpose-and-reshape after attention
 costs no copy. Only for CUDA: Metal's own attention kernels take masked small queries
 with no per-call graph, and the CPU has no kernels to launch. WEDLM_SMALL_QUERY_ATTENTION=0 turns
-it off (A/B runs)."""
+it off, =wide leaves one-row attention to MLX (A/B runs)."""
 
 from __future__ import annotations
 
@@ -213,9 +213,13 @@ def available() -> bool:
     return mx.default_device().type == mx.gpu and cuda is not None and cuda.is_available()
 
 
-def enabled() -> bool:
-    """On CUDA unless WEDLM_SMALL_QUERY_ATTENTION=0 (read per call: A/B in one process)."""
-    return os.environ.get("WEDLM_SMALL_QUERY_ATTENTION") != "0" and available()
+def enabled(queries: int = 2) -> bool:
+    """On CUDA unless WEDLM_SMALL_QUERY_ATTENTION=0; =wide keeps one query row on MLX's own
+    path (A/B of the one-row case). Read per call: A/B in one process."""
+    setting = os.environ.get("WEDLM_SMALL_QUERY_ATTENTION", "1")
+    if setting == "0" or (setting == "wide" and queries == 1):
+        return False
+    return available()
 
 
 def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: object) -> bool:
@@ -271,7 +275,7 @@ def with_small_query_attention(attention: Callable) -> Callable:
 
     def attend(queries, keys, values, cache, scale, mask, sinks=None):
         plain = sinks is None and not hasattr(cache, "bits")
-        if plain and fits(queries, keys, values, mask) and enabled():
+        if plain and fits(queries, keys, values, mask) and enabled(queries.shape[2]):
             return small_query_attention(queries, keys, values, scale, mask)
         return attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

@@ -53,6 +53,8 @@ def test_it_is_off_where_mlx_does_not_run_on_cuda(monkeypatch):
     assert sqa.enabled() == sqa.available()
     monkeypatch.setenv("WEDLM_SMALL_QUERY_ATTENTION", "0")
     assert not sqa.enabled()
+    monkeypatch.setenv("WEDLM_SMALL_QUERY_ATTENTION", "wide")  # one row left to MLX
+    assert not sqa.enabled(1) and sqa.enabled(2) == sqa.available()
 
 
 def test_a_model_family_is_routed_once_and_what_the_kernel_does_not_take_is_unchanged(

@@ -80,7 +80,20 @@ def parity() -> dict:
     return {"max_abs_error": max(out.values()), "by_shape": out}
 
 
-def per_call(repeats: int) -> dict:
+def _with_threads(threads: int, fn):
+    """`fn` run with the kernel's block at `threads` threads per query row."""
+
+    def call(*a):
+        kept, sqa.THREADS = sqa.THREADS, threads
+        try:
+            return fn(*a)
+        finally:
+            sqa.THREADS = kept
+
+    return call
+
+
+def per_call(repeats: int, threads: list[int]) -> dict:
     rng = np.random.default_rng(1)
     out: dict = {}
     for t in CALL_WIDTHS:
@@ -92,6 +105,12 @@ def per_call(repeats: int) -> dict:
             ),
             "kernel": lambda x, k=k, v=v, m=mask: sqa.small_query_attention(x, k, v, 0.125, m),
         }
+        for n in threads:  # block sizes other than the kernel's own (THREADS)
+            if n != sqa.THREADS:
+                fns[f"kernel{n}"] = _with_threads(n, fns["kernel"])
+                ref = fns["mlx"](q).astype(mx.float32)
+                err = mx.abs(fns[f"kernel{n}"](q).astype(mx.float32) - ref).max().item()
+                out[f"kernel{n}/T{t}/max_abs_error"] = err
         for name, fn in fns.items():
             mx.eval(fn(q))
             independent, chained = [], []
@@ -159,6 +178,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="a checkpoint for the forward part")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2, help="forward part: rounds over the modes")
+    ap.add_argument("--threads", type=int, nargs="*", default=[],
+                    help="per-call part: also time the kernel at these block sizes")  # fmt: skip
+    ap.add_argument("--skip-forward", action="store_true", help="parity and per-call parts only")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = ap.parse_args()
     if not sqa.available():
@@ -167,9 +189,9 @@ def main() -> None:
     result = run_info(model=str(args.model) if args.model else None)
     result["parity"] = parity()
     print(f"parity: max {result['parity']['max_abs_error']}", file=sys.stderr, flush=True)
-    result["per_call"] = per_call(args.repeats)
+    result["per_call"] = per_call(args.repeats, args.threads)
     print(f"per call: {result['per_call']}", file=sys.stderr, flush=True)
-    if args.model:
+    if args.model and not args.skip_forward:
         result["forward_ms"] = forwards(args.model, args.rounds, 3 * args.repeats)
     finish(result, args.out, "small_query_attention",
            {"small_query_attention.png": plot})  # fmt: skip
