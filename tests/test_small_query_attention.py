@@ -4,6 +4,8 @@ where it runs) that it equals MLX's own attention."""
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import mlx_lm.models.llama as llama
 import numpy as np
@@ -106,3 +108,14 @@ def test_it_equals_mlx_attention_on_cuda(dtype, b, t, span):
         np.testing.assert_allclose(
             np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)), atol=1e-2
         )
+
+
+def test_the_kernel_source_sent_to_mlx_is_the_source_without_comments_or_indentation():
+    """MLX rebuilds and hashes the source on every call: it goes without comments, but
+    every token, and each preprocessor line on its own line, stays."""
+    for setup, seen in (sqa._MASKED, sqa._CAUSAL):
+        source = sqa._SOURCE.replace("{SEEN_SETUP}", setup).replace("{SEEN}", seen)
+        compact = sqa._compact(source)
+        assert "//" not in compact and len(compact) < 0.8 * len(source)
+        assert compact.split() == re.sub(r"//[^\n]*", "", source).split()
+        assert all(line.startswith("#pragma") for line in compact.splitlines() if "#" in line)
