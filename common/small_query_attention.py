@@ -19,6 +19,7 @@ it off, =wide leaves one-row attention to MLX (A/B runs)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from types import ModuleType
@@ -29,6 +30,7 @@ MAX_QUERIES = 32  # more rows (prefill chunks) go to cuDNN, which is then the fa
 MAX_KEYS = 4096  # the scores of one query row live in shared memory (16 KiB)
 THREADS = 256  # per query row
 HEAD_DIMS = (64, 128)
+FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 # One block per (row b, head h, query t). Latency, not work, bounds a kernel this small, so
 # each phase issues its loads side by side: (1) a thread per key scores it against the
@@ -216,10 +218,17 @@ def _kernel(causal: bool) -> Callable:
     return _kernels[causal]
 
 
-def available() -> bool:
-    """Whether MLX runs on CUDA here, where the kernel can run."""
+@functools.cache
+def _cuda_backend() -> bool:
     cuda = getattr(mx, "cuda", None)  # absent from builds without the CUDA backend
-    return mx.default_device().type == mx.gpu and cuda is not None and cuda.is_available()
+    return cuda is not None and cuda.is_available()
+
+
+def available() -> bool:
+    """Whether MLX runs on CUDA here, where the kernel can run. Asked in every layer of
+    every forward (a WeDLM step's host profile showed these checks, SC11), so the backend
+    is asked once and only the default device each time."""
+    return _cuda_backend() and mx.default_device().type == mx.gpu
 
 
 def enabled(queries: int = 2) -> bool:
@@ -237,13 +246,11 @@ def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: object) -> b
     takes no mask array, so MLX would compose the attention from separate ops); a head dim
     it unrolls; floating KV (a quantized cache goes mlx-lm's own way)."""
     b, hq, t, d = queries.shape
-    if not 1 <= t <= MAX_QUERIES or d not in HEAD_DIMS or keys.shape[-1] != d:
+    _, hkv, s, dk = keys.shape
+    if not 1 <= t <= s <= MAX_KEYS or t > MAX_QUERIES or d not in HEAD_DIMS or dk != d:
         return False
-    if keys.shape[2] > MAX_KEYS:
-        return False
-    if keys.dtype != queries.dtype or values.dtype != queries.dtype or keys.shape[2] < t:
-        return False
-    if queries.dtype not in (mx.float16, mx.bfloat16, mx.float32) or hq % keys.shape[1]:
+    dtype = queries.dtype
+    if keys.dtype != dtype or values.dtype != dtype or dtype not in FLOAT_DTYPES or hq % hkv:
         return False
     if isinstance(mask, str):
         return mask == "causal" and t > 1
@@ -253,7 +260,7 @@ def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: object) -> b
         and mask.ndim == 4
         and mask.shape[0] == b
         and mask.shape[1] in (1, hq)
-        and mask.shape[2:] == (t, keys.shape[2])
+        and mask.shape[2:] == (t, s)
     )
 
 
@@ -283,7 +290,7 @@ def with_small_query_attention(attention: Callable) -> Callable:
     """mlx-lm's `scaled_dot_product_attention`, sending what fits to the kernel."""
 
     def attend(queries, keys, values, cache, scale, mask, sinks=None):
-        plain = sinks is None and not hasattr(cache, "bits")
+        plain = sinks is None and not hasattr(cache, "bits") and available()  # CPU: no checks
         if plain and fits(queries, keys, values, mask) and enabled(queries.shape[2]):
             return small_query_attention(queries, keys, values, scale, mask)
         return attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

@@ -83,9 +83,12 @@ def test_a_model_family_is_routed_once_and_what_the_kernel_does_not_take_is_unch
     fits = sqa.fits
     monkeypatch.setattr(sqa, "fits", lambda *a: taken.append(fits(*a)) or taken[-1])
     monkeypatch.setenv("WEDLM_SMALL_QUERY_ATTENTION", "0")
+    cuda = sqa.available()
+    monkeypatch.setattr(sqa, "available", lambda: True)  # asks fits on the CPU too
     unrouted = forward()
     # each layer's attention fits: the 12-row causal prompt and the 8-row window
     assert taken == [True] * 4
+    monkeypatch.setattr(sqa, "available", lambda: cuda)
     monkeypatch.delenv("WEDLM_SMALL_QUERY_ATTENTION")
     through = forward()
     if sqa.available():  # the kernel ran: equal within half precision's rounding
