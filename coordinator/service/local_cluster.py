@@ -127,10 +127,10 @@ def _answer(address: str, args: argparse.Namespace) -> None:
 
 def _not_ready(server: CoordinatorServer) -> str:
     """Why the local cluster did not come up in START_TIMEOUT_S, by the state it was in."""
-    state = server.state
+    state, detail = server.state, f": {server.waiting}" if server.waiting else ""
     why = {
-        "waiting-for-workers": f"the workers were not found: {server.waiting}",
-        "planning": f"the layers were not assigned: {server.waiting}",
+        "waiting-for-workers": f"the workers were not found{detail}",
+        "planning": f"the layers were not assigned{detail}",
         "warming-up": "the warm-up (compiling shapes, pricing drafts) did not finish",
     }.get(state, f"the coordinator was {state}")
     return f"not ready after {START_TIMEOUT_S:g} s: {why}"
