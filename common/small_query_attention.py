@@ -231,13 +231,17 @@ def available() -> bool:
     return _cuda_backend() and mx.default_device().type == mx.gpu
 
 
-def enabled(queries: int = 2) -> bool:
-    """On CUDA unless WEDLM_SMALL_QUERY_ATTENTION=0; =wide keeps one query row on MLX's own
-    path (A/B of the one-row case). Read per call: A/B in one process."""
+def _switched_on(queries: int) -> bool:
+    """WEDLM_SMALL_QUERY_ATTENTION: 0 turns the kernel off, =wide keeps one query row on
+    MLX's own path (A/B of the one-row case). Read per call: A/B in one process."""
     setting = os.environ.get("WEDLM_SMALL_QUERY_ATTENTION", "1")
-    if setting == "0" or (setting == "wide" and queries == 1):
-        return False
-    return available()
+    return setting != "0" and not (setting == "wide" and queries == 1)
+
+
+def enabled(queries: int = 2) -> bool:
+    """Whether an attention of `queries` rows may take the kernel: on CUDA, unless the
+    switch above says otherwise."""
+    return _switched_on(queries) and available()
 
 
 def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: object) -> bool:
@@ -291,7 +295,7 @@ def with_small_query_attention(attention: Callable) -> Callable:
 
     def attend(queries, keys, values, cache, scale, mask, sinks=None):
         plain = sinks is None and not hasattr(cache, "bits") and available()  # CPU: no checks
-        if plain and fits(queries, keys, values, mask) and enabled(queries.shape[2]):
+        if plain and fits(queries, keys, values, mask) and _switched_on(queries.shape[2]):
             return small_query_attention(queries, keys, values, scale, mask)
         return attention(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

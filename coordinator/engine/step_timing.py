@@ -46,9 +46,8 @@ def measure_step_cost(
 
     budget_s: measure the buckets smallest first and stop where the next one (at least as
     slow as the last) would end past this many seconds; the larger buckets then take the
-    largest measured one's ratio
-    (StepCost.break_even). A slow backend (MLX's CPU, through stages) would otherwise hold
-    a server's readiness for minutes."""
+    largest measured one's ratio (StepCost.break_even). A slow backend (MLX's CPU, through
+    stages) would otherwise hold a server's readiness for minutes."""
     assert not engine.in_flight, "measure while no forward is in flight"
     started = time.perf_counter()
     most = engine.shape_limits().max_rows
@@ -71,8 +70,13 @@ def measure_step_cost(
                 times["ar"].append(_per_forward(engine, ar, repeats, ahead=True))
                 times["draft"].append(_per_forward(engine, draft, repeats, ahead=False))
             ratios[r] = statistics.median(times["draft"]) / statistics.median(times["ar"])
-            spent, last = time.perf_counter() - started, time.perf_counter() - bucket_started
-            if budget_s is not None and spent + last > budget_s and r < buckets[-1]:
+            now = time.perf_counter()
+            spent = now - started
+            if (
+                budget_s is not None
+                and spent + (now - bucket_started) > budget_s
+                and r < buckets[-1]
+            ):
                 log.info(
                     "draft break-even measured up to %d rows in %.1f s (budget %g s): "
                     "larger row buckets take its ratio",
