@@ -6,7 +6,8 @@ depend on the tokens just read) pays for it. This runs greedy requests in one pr
 the draft break-even fixed (so the decisions do not depend on this machine's timing) and
 counts each completed decode forward by width (one row per sequence, or wider: drafts or
 mask slots) and by whether the forward after it was launched ahead. Prompts: the chat or
-counting set of speculative.py; AR and speculative with mask drafts (W 8).
+counting set of speculative.py; AR, speculative with mask drafts (W 8) and WeDLM (W 16,
+tau 0.6, as speculative.py runs them).
 
   python benchmarks/dev/lookahead_misses.py --model ../shared/models/wedlm-smollm2-135m-r2
 """
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--max-tokens", type=int, default=40)
     ap.add_argument("--break-even", type=float, default=1.5)
+    ap.add_argument("--modes", nargs="+", default=["ar", "speculative", "wedlm"])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lookahead_misses"))
     args = ap.parse_args()
     local = open_local_engine(args.model, num_rows=max(args.concurrency))
@@ -101,11 +103,15 @@ def main() -> None:
         "speculative": GenerationParams(
             mode="speculative", draft="mask", window=8, max_tokens=args.max_tokens
         ),
+        "wedlm": GenerationParams(
+            mode="wedlm", window=16, threshold=0.6, max_tokens=args.max_tokens
+        ),
     }
     result = run_info(model=str(args.model), prompts=args.prompts, break_even=args.break_even)
     result["runs"] = {
         f"{mode}/C{c}": count(local, prompts, params, c)
         for mode, params in modes.items()
+        if mode in args.modes
         for c in args.concurrency
     }
     finish(result, args.out, "lookahead_misses", {"lookahead_misses.png": plot})

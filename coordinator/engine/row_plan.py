@@ -34,6 +34,8 @@ class RowPlan:
     canvas: int = 0  # diffusion mode: trailing slots that are a canvas (bidirectional)
     offsets: np.ndarray | None = None  # compacted canvas: each slot's canvas position
     extent: int = 0  # compacted canvas: its length (positions the slots see)
+    # the prompt's last chunk carrying the first decode step's mask slots (plan_opening)
+    opens: bool = False
 
     @property
     def width(self) -> int:
@@ -43,13 +45,24 @@ class RowPlan:
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-def plan_prefill(seq: Sequence, chunk: int) -> RowPlan:
+def plan_prefill(
+    seq: Sequence,
+    chunk: int,
+    mask_token_id: int | None = None,
+    max_positions: int = 0,
+    break_even: float = 1.0,
+) -> RowPlan:
     """The next chunk of the prompt (or of the history being rebuilt); AR needs the last
-    prompt row's logits, a rebuild needs none."""
+    prompt row's logits, a rebuild needs none. With `mask_token_id`, the prompt's last
+    chunk also opens decoding where it can (plan_opening)."""
     start = seq.prefilled
     source = seq.prefill_tokens()
     tokens = np.asarray(source[start : start + chunk], dtype=np.int32)
     last = start + tokens.size == len(source)
+    if last and mask_token_id is not None and not seq.rebuild_to:
+        opening = plan_opening(seq, tokens, chunk, mask_token_id, max_positions, break_even)
+        if opening is not None:
+            return opening
     # AR and speculative mode take their first token from the last prompt row
     wants_head = last and seq.params.mode != "wedlm" and not seq.rebuild_to
     head = np.array([tokens.size - 1]) if wants_head else _NONE
@@ -61,6 +74,49 @@ def plan_prefill(seq: Sequence, chunk: int) -> RowPlan:
         head_slots=head,
         head_is_mask=np.ones(head.size, dtype=bool),
     )
+
+
+def plan_opening(
+    seq: Sequence,
+    chunk_tokens: np.ndarray,
+    chunk: int,
+    mask_token_id: int,
+    max_positions: int,
+    break_even: float,
+) -> RowPlan | None:
+    """The prompt's last chunk with the first decode step's mask slots after it, in one
+    forward (None where they do not fit: the chunk's width, the context). The mask rows see
+    the whole prompt, as they would in a forward of their own once its KV is stored, so
+    this saves that forward:
+    - WeDLM: the first window, W masks (the decoding spec's step 1: the prompt's logits
+      are still discarded, only the masks' are read);
+    - speculative with mask drafts: the last prompt row chooses the first token as AR's
+      does, and the mask slots after it draft the next ones (plan_speculative with the
+      chunk as its pending rows), so the first decode forward can verify drafts at once.
+    A forward of a whole chunk is wide anyway: the slots cost it little."""
+    mode = seq.params.mode
+    if mode == "wedlm":
+        c, w = chunk_tokens.size, seq.params.window
+        if c + w > chunk or seq.kv_length + c + w > max_positions:
+            return None
+        return RowPlan(
+            seq=seq,
+            tokens=np.concatenate([chunk_tokens, np.full(w, mask_token_id, np.int32)]),
+            filled=np.arange(c + w) < c,
+            keep=c,
+            head_slots=np.arange(c, c + w),
+            head_is_mask=np.ones(w, dtype=bool),
+            opens=True,
+        )
+    if mode != "speculative" or seq.params.draft != "mask" or seq.draft_limit is not None:
+        return None  # only a new request's first exploration (draft_policy.py)
+    plan = plan_speculative(
+        seq, mask_token_id, max_positions, "mask", break_even, pending=chunk_tokens
+    )
+    if plan.width == plan.keep or plan.width > chunk:
+        return None  # no mask slot (drafts cannot pay, or one token to go) or no room
+    plan.opens = True
+    return plan
 
 
 def plan_wedlm(seq: Sequence, mask_token_id: int) -> RowPlan:
@@ -125,11 +181,15 @@ def plan_speculative(
     source: str,
     break_even: float = 1.0,
     room: int | None = None,
+    pending: np.ndarray | None = None,
 ) -> RowPlan:
     """The rows of one verifying forward; `source` is the resolved draft source,
     `break_even` a drafting forward's cost in AR forwards, `room` the drafts its batch
-    lets it carry (draft_policy.batch_rooms; None: its own draft room)."""
-    pending = np.asarray(seq.pending(), dtype=np.int32)
+    lets it carry (draft_policy.batch_rooms; None: its own draft room). `pending`: rows
+    whose KV is not stored yet (default: the committed tokens past the KV; the prompt's
+    last chunk for plan_opening)."""
+    if pending is None:
+        pending = np.asarray(seq.pending(), dtype=np.int32)
     own = draft_room(seq, break_even)
     limit = own if room is None else min(room, own)
     remaining = seq.params.max_tokens - len(seq.output)
@@ -175,7 +235,7 @@ def accept_speculative(
     n = int(np.argmin(matches)) if not matches.all() else k
     seq.drafted += k
     seq.accepted += n
-    seq.draft_forwards += plan.width > plan.keep
+    seq.draft_forwards += plan.width > plan.keep and not plan.opens  # a prompt's: free
     masks = plan.head_slots.size - k - 1
     if n == k and masks > 1:
         # Mask slot 0 sits where the committed choice goes; slots 1.. are guesses for the
@@ -202,7 +262,7 @@ def plan_next(
 ) -> RowPlan:
     """`room`: a speculative row's drafts as its batch decided (plan_speculative)."""
     if seq.phase in (Phase.WAITING, Phase.PREFILL):
-        return plan_prefill(seq, prefill_chunk)
+        return plan_prefill(seq, prefill_chunk, mask_token_id, max_positions, break_even)
     if seq.params.mode == "wedlm":
         return plan_wedlm(seq, mask_token_id)
     if seq.params.mode == "speculative":
@@ -232,14 +292,15 @@ def apply_result(
             w = seq.params.window
             seq.window_tokens = np.zeros(w, dtype=np.int32)
             seq.window_filled = np.zeros(w, dtype=bool)
-            return [], Phase.DECODE
+            if not plan.opens:
+                return [], Phase.DECODE
     seq.forwards += 1
     if seq.params.mode == "wedlm":
         end = seq.commit(plan.commits)
-        p = plan.keep
-        seq.window_tokens = np.where(fills, tokens, plan.tokens[p:]).astype(np.int32)
-        seq.window_filled = plan.filled[p:] | fills
-    elif seq.params.mode == "speculative" and decoding:
+        window = plan.width - plan.head_slots.size  # where the window starts: p, or the chunk
+        seq.window_tokens = np.where(fills, tokens, plan.tokens[window:]).astype(np.int32)
+        seq.window_filled = plan.filled[window:] | fills
+    elif seq.params.mode == "speculative" and (decoding or plan.opens):
         end = seq.commit(accept_speculative(plan, fills, tokens, break_even))
     else:
         end = seq.commit([int(tokens[0])])

@@ -112,8 +112,11 @@ class TickBatch:
 
 
 def _speculative(plan: RowPlan) -> bool:
-    """A speculative decode row (its prefill rows decide like AR's)."""
-    return plan.seq.params.mode == "speculative" and plan.seq.phase is Phase.DECODE
+    """A speculative decode row, or a prompt's last chunk opening one (row_plan.plan_opening:
+    its first slot chooses like AR's, as the prompt's last row does, and its mask slots draft
+    like a decode row's). Its other prefill rows decide like AR's."""
+    seq = plan.seq
+    return seq.params.mode == "speculative" and (seq.phase is Phase.DECODE or plan.opens)
 
 
 def build_batch(plans: list[RowPlan], padding_ids: list[int] = ()) -> TickBatch:

@@ -86,7 +86,7 @@ def record(
         k = seq.params.logprobs or 0
         if was_wedlm_decode[i]:
             # head slot j is window slot j after this commit: output index before + p + j
-            start = before[i] + plan.keep
+            start = before[i] + len(plan.commits)
             slots = [j for j in range(plan.head_slots.size) if fills[i, j]]
         else:  # AR, speculative, a prefill's last row: slot j chose output index before + j
             start = before[i]
@@ -97,8 +97,11 @@ def record(
 
 
 def wedlm_decoding(plans: list[RowPlan]) -> list[bool]:
-    """Per row, whether its forward is a WeDLM window step (read before postprocess)."""
-    return [p.seq.params.mode == "wedlm" and p.seq.phase is Phase.DECODE for p in plans]
+    """Per row, whether its forward is a WeDLM window step (read before postprocess): a
+    decode row's, or the first window riding the prompt's last chunk (plan_opening)."""
+    return [
+        p.seq.params.mode == "wedlm" and (p.seq.phase is Phase.DECODE or p.opens) for p in plans
+    ]
 
 
 def attach(commits: list[Commit]) -> None:
