@@ -131,6 +131,9 @@ def test_which_last_chunks_open_decoding():
     drafting = _seq("speculative", draft="mask", window=4)
     drafting.draft_limit = 2  # a state it carries already: not a new request's opening
     assert not plan_prefill(drafting, 64, MASK, 4096).opens
+    done = _seq("speculative", draft="mask", window=4)
+    done.prefilled = done.kv_length = 10  # no prompt row left: no row to choose from
+    assert not plan_prefill(done, 64, MASK, 4096).opens
     rebuilt = _seq("wedlm", window=4)
     rebuilt.rebuild_to, rebuilt.output = 12, [1, 2, 3]
     assert not plan_prefill(rebuilt, 64, MASK, 4096).opens

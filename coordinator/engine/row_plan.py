@@ -95,6 +95,8 @@ def plan_opening(
       chunk as its pending rows), so the first decode forward can verify drafts at once.
     A forward of a whole chunk is wide anyway: the slots cost it little."""
     mode = seq.params.mode
+    if not chunk_tokens.size:
+        return None  # nothing left to run (not expected: a cache hit leaves one row)
     if mode == "wedlm":
         c, w = chunk_tokens.size, seq.params.window
         if c + w > chunk or seq.kv_length + c + w > max_positions:
