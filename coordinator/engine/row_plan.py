@@ -41,6 +41,12 @@ class RowPlan:
     def width(self) -> int:
         return int(self.tokens.size)
 
+    @property
+    def decodes(self) -> bool:
+        """Whether this forward runs a decode step of its sequence: a decode row's, or a
+        prompt's last chunk opening decoding (plan_opening). Read before postprocess."""
+        return self.seq.phase is Phase.DECODE or self.opens
+
 
 _NONE = np.zeros(0, dtype=np.int64)
 

@@ -12,7 +12,6 @@ from common.rows_spec import RowsSpec
 from coordinator.engine.forward_shapes import padded_width
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sampling import STEP_KEY
-from coordinator.engine.sequence import Phase
 
 
 @dataclass
@@ -115,8 +114,7 @@ def _speculative(plan: RowPlan) -> bool:
     """A speculative decode row, or a prompt's last chunk opening one (row_plan.plan_opening:
     its first slot chooses like AR's, as the prompt's last row does, and its mask slots draft
     like a decode row's). Its other prefill rows decide like AR's."""
-    seq = plan.seq
-    return seq.params.mode == "speculative" and (seq.phase is Phase.DECODE or plan.opens)
+    return plan.seq.params.mode == "speculative" and plan.decodes
 
 
 def build_batch(plans: list[RowPlan], padding_ids: list[int] = ()) -> TickBatch:

@@ -21,7 +21,6 @@ import numpy as np
 
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.scheduler import Commit
-from coordinator.engine.sequence import Phase
 
 
 @dataclass(frozen=True)
@@ -99,9 +98,7 @@ def record(
 def wedlm_decoding(plans: list[RowPlan]) -> list[bool]:
     """Per row, whether its forward is a WeDLM window step (read before postprocess): a
     decode row's, or the first window riding the prompt's last chunk (plan_opening)."""
-    return [
-        p.seq.params.mode == "wedlm" and (p.seq.phase is Phase.DECODE or p.opens) for p in plans
-    ]
+    return [p.seq.params.mode == "wedlm" and p.decodes for p in plans]
 
 
 def attach(commits: list[Commit]) -> None:
