@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.kv_format import FULL, KVFormat
-from common.window_mask import attention_mask
+from common.window_mask import attention_mask, compiled_attention_mask
 
 Stored = mx.array | tuple[mx.array, ...]  # one tensor, or the parts of a quantized one
 
@@ -192,7 +192,11 @@ class KVRows:
         self.span = min(self.capacity, -(-end // SPAN_STEP) * SPAN_STEP)
         starts_mx = mx.array(starts, dtype=mx.int32)
         self._bind(starts_mx if self.uniform_start is None else mx.array(self.uniform_start))
-        return attention_mask(starts_mx, windows if on_device else mx.array(windows), self.span)
+        windows = windows if on_device else mx.array(windows)
+        # a look-ahead WeDLM window (one width, 2W, every step) compiled; other windows
+        # vary in width from forward to forward, and each new shape would cost a trace
+        build = compiled_attention_mask if on_device else attention_mask
+        return build(starts_mx, windows, self.span)
 
     def _bind(self, offset: mx.array) -> None:
         for layer in self.layers:

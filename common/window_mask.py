@@ -60,3 +60,8 @@ def attention_mask(starts: mx.array, windows: mx.array, span: int) -> mx.array:
     idx = mx.broadcast_to(mx.clip(rel, 0, t - 1)[:, None, :], (rel.shape[0], t, span))
     seen = mx.take_along_axis(windows, idx, axis=2) & in_window[:, None, :]
     return ((rel < 0)[:, None, :] | seen)[:, None, :, :]
+
+
+# Traced once per shape and span (spans are rounded up to kv_rows.SPAN_STEP).
+compiled_device_visibility = mx.compile(device_visibility)
+compiled_attention_mask = mx.compile(attention_mask)

@@ -86,3 +86,40 @@ def test_same_as_without_look_ahead(model, ahead_count, temperature, rows):
     taken = ahead_count[0]
     assert decode(local, prompts, params, serial=True) == ahead
     assert taken > 2 and ahead_count[0] == taken
+
+
+def test_the_step_graphs_run_compiled_for_wedlm_windows_only(model, monkeypatch):
+    """WeDLM's look-ahead windows have one width every step: their selection and masks run
+    compiled (selection.window_fills, window_mask.compiled_*). A speculative batch's widths
+    change with its drafts, and MLX traces a compiled function again for each new shape:
+    it runs them eagerly. The outputs are the same either way (test_parity, above)."""
+    import common.kv_rows as kv_rows
+    from coordinator.engine.step_cost import StepCost
+
+    calls: dict[str, int] = {}
+
+    def counting(name, fn):
+        def counted(*args):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args)
+
+        monkeypatch.setattr(module_of[name], name, counted)
+
+    module_of = {
+        "window_fills": engine_module,
+        "compiled_device_visibility": engine_module,
+        "compiled_attention_mask": kv_rows,
+    }
+    for name, module in module_of.items():
+        counting(name, getattr(module, name))
+    _, local = model
+    # drafts priced as free, so that the speculative rows draft on this CPU too
+    monkeypatch.setattr(local.engine.scheduler, "step_cost", StepCost({1: 1.0}, online=False))
+    prompts = [local.tokenizer.encode(t) for t in TEXTS[:2]]
+    speculative = GenerationParams(mode="speculative", draft="mask", window=4, max_tokens=12)
+    drafting = local.engine.drafting_batches
+    decode(local, prompts[:1], speculative)  # one row: it explores without a probe slot
+    assert local.engine.drafting_batches > drafting and calls == {}
+    decode(local, prompts, GenerationParams(mode="wedlm", window=4, max_tokens=12))
+    assert calls["window_fills"] > 0
+    assert calls["compiled_device_visibility"] == calls["compiled_attention_mask"] > 0

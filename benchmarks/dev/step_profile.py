@@ -2,7 +2,9 @@
 step_profile.json and step_profile.png to --out.
 
 Part 1, the engine: greedy requests (counting prompts, C = 1 and C = 8) in AR, WeDLM (W 16,
-tau 0.6) and speculative mode with mask drafts (W 8, tau 1.5); the engine's own methods are
+tau 0.6) and speculative mode with mask drafts (W 8, tau 1.5), and two WeDLM variants in the
+same process: without its look-ahead (wedlm_serial) and with the step's selection and masks
+built eagerly instead of compiled (wedlm_eager); the engine's own methods are
 wrapped with timers, so each step's wall time splits into
   plan    scheduler.next_micro_batch (row plans, finishing checks)
   batch   build_batch (padding the plans into arrays)
@@ -31,6 +33,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,7 +44,10 @@ if str(ROOT) not in sys.path:
 import mlx.core as mx
 import numpy as np
 
+import common.kv_rows as kv_rows
+import common.window_mask as window_mask
 import coordinator.engine.engine as engine_module
+import coordinator.engine.selection as selection
 from benchmarks.dev.bench_io import build_then_wait, finish, pyplot, run_info
 from benchmarks.dev.engine import wedlm_filled, window_forward
 from benchmarks.dev.speculative import COUNTING
@@ -56,6 +62,8 @@ MODES = {
     "wedlm": GenerationParams(mode="wedlm", window=16, threshold=0.6, max_tokens=64),
     # WeDLM without the look-ahead (wedlm_ahead.py): every step reads back before the next
     "wedlm_serial": GenerationParams(mode="wedlm", window=16, threshold=0.6, max_tokens=64),
+    # WeDLM with the step's selection and masks built eagerly, not compiled (selection.py)
+    "wedlm_eager": GenerationParams(mode="wedlm", window=16, threshold=0.6, max_tokens=64),
     "speculative": GenerationParams(
         mode="speculative", draft="mask", window=8, threshold=1.5, max_tokens=64
     ),
@@ -106,6 +114,26 @@ def instrument(engine, timers: Timers) -> None:
     engine._select = timers.wrap("select", engine._select)
     engine_module.build_batch = timers.wrap("batch", engine_module.build_batch)
     engine_module.mx = _TimedMx(timers)
+
+
+@contextmanager
+def eager_extras(on: bool):
+    """The engine's compiled step graphs (selection, the look-ahead's visibility, the
+    attention mask) swapped for their eager originals while `on`: an A/B in one process."""
+    swaps = [
+        (engine_module, "window_fills", selection.eager_window_fills),
+        (engine_module, "compiled_device_visibility", window_mask.device_visibility),
+        (kv_rows, "compiled_attention_mask", window_mask.attention_mask),
+    ]
+    saved = [getattr(module, name) for module, name, _ in swaps]
+    if on:
+        for module, name, eager in swaps:
+            setattr(module, name, eager)
+    try:
+        yield
+    finally:
+        for (module, name, _), old in zip(swaps, saved, strict=True):
+            setattr(module, name, old)
 
 
 def run_mode(
@@ -213,14 +241,16 @@ def main() -> None:
     instrument(local.engine, timers)
     result = run_info(model=args.model, concurrency=args.concurrency, modes=args.modes)
     for name, params in MODES.items():  # warm-up: every mode's shapes once
-        run_mode(local, prompts[:8], params, 8, timers, name.endswith("_serial"))
-        run_mode(local, prompts[:1], params, 1, timers, name.endswith("_serial"))
+        with eager_extras(name.endswith("_eager")):
+            run_mode(local, prompts[:8], params, 8, timers, name.endswith("_serial"))
+            run_mode(local, prompts[:1], params, 1, timers, name.endswith("_serial"))
     rounds: dict[str, list[dict]] = defaultdict(list)
     for _ in range(args.repeats):
         for c in args.concurrency:
             for mode in args.modes:
                 serial = mode.endswith("_serial")
-                run = run_mode(local, prompts, MODES[mode], c, timers, serial)
+                with eager_extras(mode.endswith("_eager")):
+                    run = run_mode(local, prompts, MODES[mode], c, timers, serial)
                 rounds[f"{mode}/C{c}"].append(run)
                 print(f"{mode}/C{c}: {rounds[f'{mode}/C{c}'][-1]}", file=sys.stderr, flush=True)
     engine_out = {}
@@ -229,7 +259,7 @@ def main() -> None:
         engine_out[key] = best | {"step_ms_medians": [r["step_ms_median"] for r in runs]}
     for c in args.concurrency:
         ar = engine_out.get(f"ar/C{c}")
-        for mode in ("wedlm", "wedlm_serial", "speculative"):
+        for mode in ("wedlm", "wedlm_serial", "wedlm_eager", "speculative"):
             other = engine_out.get(f"{mode}/C{c}")
             if ar and other:
                 other["step_vs_ar"] = round(other["step_ms_median"] / ar["step_ms_median"], 3)

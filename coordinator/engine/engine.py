@@ -24,7 +24,7 @@ from common.generation_params import GenerationParams
 from common.layer_runner import select_slots
 from common.model_parts import ModelParts
 from common.rows_spec import RowsSpec
-from common.window_mask import device_visibility
+from common.window_mask import compiled_device_visibility
 from coordinator.engine import constrained, logit_bias, speculative_ahead, token_logprobs
 from coordinator.engine.ar_ahead import ar_decoding, next_plans, speculative
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, padded_width, row_bucket
@@ -39,7 +39,7 @@ from coordinator.engine.row_plan import (
 )
 from coordinator.engine.sampling import greedy_tokens, sample_tokens
 from coordinator.engine.scheduler import PREFILL, Commit, Limits, Scheduler, Unit
-from coordinator.engine.selection import entropy, select_fills
+from coordinator.engine.selection import eager_window_fills, window_fills
 from coordinator.engine.sequence import Phase, Sequence
 from coordinator.engine.step_cost import AR, DRAFT, StepCost
 from coordinator.engine.tick_batch import TickBatch, build_batch
@@ -601,7 +601,7 @@ class Engine:
             widths=np.array([width] * len(plans) + [1] * len(padding)),
             filled=np.zeros((b, width), dtype=bool),  # on the device only: `visibility`
             keeps=np.zeros(b, dtype=np.int64),  # named by _resolve_ahead (pipeline.keep)
-            visibility=device_visibility(filled),
+            visibility=compiled_device_visibility(filled),
         )
         batch_id = next(self._batch_ids)
         self._record_shape(batch_id, spec)
@@ -766,8 +766,11 @@ class Engine:
         is_mask = mx.array(batch.head_is_mask)
         if batch.any_selection:
             chosen = batch.selection_arrays()
-            fills = select_fills(
-                entropy(logits),
+            # compiled for WeDLM batches, whose head slots are W per row every step; a
+            # speculative batch's vary with its drafts, and each new shape costs a trace
+            select = eager_window_fills if batch.any_speculative else window_fills
+            fills = select(
+                logits,
                 is_mask,
                 chosen["threshold"],
                 chosen["penalty"],
