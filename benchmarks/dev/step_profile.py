@@ -279,7 +279,8 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(1.1 * len(keys) + 3, 4.5))
     bottom = np.zeros(len(keys))
     for part in parts:
-        split = [result["engine"][k]["split_ms_per_step"] for k in keys]
+        # a run with no decode step (every request done in its opening) has no split
+        split = [result["engine"][k].get("split_ms_per_step", {}) for k in keys]
         vals = np.array([max(one.get(part, 0), 0) for one in split])
         ax.bar(keys, vals, bottom=bottom, label=part)
         bottom += vals
