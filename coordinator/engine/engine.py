@@ -590,9 +590,11 @@ class Engine:
             return False
         started = time.perf_counter()
         padding = self._padding_ids(flight.unit, len(plans))
-        rows = mx.array(live)
+        if live != list(range(len(live))):  # rows that finished drop out (else: a prefix,
+            rows = mx.array(live)  # which next_inputs slices for free)
+            fills, tokens = fills[rows], tokens[rows]
         ids, filled = next_inputs(
-            plans, fills[rows], tokens[rows], self.config.mask_token_id, width, len(padding)
+            plans, fills, tokens, self.config.mask_token_id, width, len(padding)
         )
         b = len(plans) + len(padding)
         spec = RowsSpec(
