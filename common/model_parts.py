@@ -12,7 +12,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from common import small_query_attention
+from common import fused_projections, small_query_attention
 from common.checkpoint_weights import layer_of, load_tensors
 from common.errors import CheckpointError
 from common.kv_rows import KVRows
@@ -102,10 +102,12 @@ def load_model_parts(
     with_ends: bool = True,
     config: ModelConfig | None = None,
     with_layers: bool = True,
+    fuse: bool = True,
 ) -> ModelParts:
     """Load layers `layer_range` (all of them when None) and optionally the ends
     (embedding, final norm, head). `with_layers=False` loads only the ends, as the
-    coordinator of a cluster holds them."""
+    coordinator of a cluster holds them. `fuse` makes q/k/v and gate/up one matmul each
+    (common/fused_projections.py); a tensor group shards the layers' own first."""
     config = config or load_model_config(path)
     if not with_layers:
         layer_range = None
@@ -139,6 +141,9 @@ def load_model_parts(
     if config.quantization:
         _quantize(parts, config.quantization, weights)
     install_weights(parts, weights, config.path)
+    del raw, weights  # the layers hold the only references: fusing frees as it goes
+    if fuse and fused_projections.enabled():
+        fused_projections.fuse_projections(parts.layers)
     return parts
 
 

@@ -4,7 +4,9 @@ step_profile.json and step_profile.png to --out.
 Part 1, the engine: greedy requests (counting prompts, C = 1 and C = 8) in AR, WeDLM (W 16,
 tau 0.6) and speculative mode with mask drafts (W 8, tau 1.5), and two WeDLM variants in the
 same process: without its look-ahead (wedlm_serial) and with the step's selection and masks
-built eagerly instead of compiled (wedlm_eager); the engine's own methods are
+built eagerly instead of compiled (wedlm_eager); and each mode on the layers' own q/k/v and
+gate/up matmuls instead of the fused ones (ar_unfused, wedlm_unfused, speculative_unfused:
+common/fused_projections.py), swapped in within the same process; the engine's own methods are
 wrapped with timers, so each step's wall time splits into
   plan    scheduler.next_micro_batch (row plans, finishing checks)
   batch   build_batch (padding the plans into arrays)
@@ -21,7 +23,8 @@ draft break-even in use (refined online from the engine's forwards).
 
 Part 2, bare forwards at the same context: T = 1, and a WeDLM window of T rows with the
 explicit (non-causal) mask and with a causal mask, each (a) serial: build + eval, and (b) the
-host's graph build alone (no eval), so device ~= serial - build where they do not overlap.
+host's graph build alone (no eval), so device ~= serial - build where they do not overlap;
+with an _unfused mode asked for, on the unfused layers too (bare_forwards_unfused).
 
   python benchmarks/dev/step_profile.py --model ../shared/models/wedlm-smollm2-135m-r2 --out OUT
 """
@@ -42,6 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 import common.kv_rows as kv_rows
@@ -50,9 +54,11 @@ import coordinator.engine.engine as engine_module
 import coordinator.engine.selection as selection
 from benchmarks.dev.bench_io import build_then_wait, finish, pyplot, run_info
 from benchmarks.dev.engine import wedlm_filled, window_forward
+from benchmarks.dev.projection_fusion import unfused_layers
 from benchmarks.dev.speculative import COUNTING
 from common.generation_params import GenerationParams
 from common.kv_rows import KVRows
+from common.model_parts import load_model_parts
 from common.window_mask import window_visibility
 from coordinator.engine.local_engine import open_local_engine
 
@@ -68,6 +74,8 @@ MODES = {
         mode="speculative", draft="mask", window=8, threshold=1.5, max_tokens=64
     ),
 }
+# the same modes on the layers' own projections (q/k/v and gate/up unfused)
+MODES |= {f"{m}_unfused": MODES[m] for m in ("ar", "wedlm", "speculative")}
 
 
 class Timers:
@@ -134,6 +142,13 @@ def eager_extras(on: bool):
     finally:
         for (module, name, _), old in zip(swaps, saved, strict=True):
             setattr(module, name, old)
+
+
+@contextmanager
+def variant(mode: str, parts, unfused: list[nn.Module] | None):
+    eager = eager_extras(mode.endswith("_eager"))
+    with eager, unfused_layers(parts, unfused if mode.endswith("_unfused") else None):
+        yield
 
 
 def run_mode(
@@ -236,12 +251,17 @@ def main() -> None:
     for name, params in MODES.items():
         MODES[name] = replace(params, max_tokens=args.max_tokens)
     local = open_local_engine(args.model, num_rows=8)
+    parts = local.engine.parts
+    unfused = None
+    if any(m.endswith("_unfused") for m in args.modes):
+        unfused = list(load_model_parts(args.model, fuse=False).layers)
     prompts = [local.tokenizer.encode(t) for t in COUNTING[: args.prompts]]
     timers = Timers()
     instrument(local.engine, timers)
     result = run_info(model=args.model, concurrency=args.concurrency, modes=args.modes)
-    for name, params in MODES.items():  # warm-up: every mode's shapes once
-        with eager_extras(name.endswith("_eager")):
+    for name in args.modes:  # warm-up: every mode's shapes once
+        params = MODES[name]
+        with variant(name, parts, unfused):
             run_mode(local, prompts[:8], params, 8, timers, name.endswith("_serial"))
             run_mode(local, prompts[:1], params, 1, timers, name.endswith("_serial"))
     rounds: dict[str, list[dict]] = defaultdict(list)
@@ -249,7 +269,7 @@ def main() -> None:
         for c in args.concurrency:
             for mode in args.modes:
                 serial = mode.endswith("_serial")
-                with eager_extras(mode.endswith("_eager")):
+                with variant(mode, parts, unfused):
                     run = run_mode(local, prompts, MODES[mode], c, timers, serial)
                 rounds[f"{mode}/C{c}"].append(run)
                 print(f"{mode}/C{c}: {rounds[f'{mode}/C{c}'][-1]}", file=sys.stderr, flush=True)
@@ -258,16 +278,20 @@ def main() -> None:
         best = min(runs, key=lambda r: r["step_ms_median"])
         engine_out[key] = best | {"step_ms_medians": [r["step_ms_median"] for r in runs]}
     for c in args.concurrency:
-        ar = engine_out.get(f"ar/C{c}")
-        for mode in ("wedlm", "wedlm_serial", "wedlm_eager", "speculative"):
+        for mode in MODES:
+            ar = engine_out.get(f"ar_unfused/C{c}" if mode.endswith("_unfused") else f"ar/C{c}")
             other = engine_out.get(f"{mode}/C{c}")
+            if mode.startswith("ar") or other is None:
+                continue
             if ar and other:
                 other["step_vs_ar"] = round(other["step_ms_median"] / ar["step_ms_median"], 3)
                 other["tok_s_vs_ar"] = round(other["decode_tok_s"] / ar["decode_tok_s"], 3)
     result["engine"] = engine_out
-    result["bare_forwards"] = bare_forwards(
-        local.engine.parts, 64, [1, 8, 16, 24, 32], args.bare_repeats
-    )
+    widths = [1, 8, 16, 24, 32]
+    result["bare_forwards"] = bare_forwards(parts, 64, widths, args.bare_repeats)
+    if unfused is not None:
+        with unfused_layers(parts, unfused):
+            result["bare_forwards_unfused"] = bare_forwards(parts, 64, widths, args.bare_repeats)
     finish(result, args.out, "step_profile", {"step_profile.png": plot})
 
 

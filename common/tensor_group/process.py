@@ -99,8 +99,12 @@ class Member:
         self.group = join(self.spec)
         write_frame(out, {"joined": True})  # the layers load next, which may take long
         config = load_model_config(init["path"])
-        parts = load_model_parts(
-            config.path, LayerRange(init["start"], init["end"]), with_ends=False, config=config
+        parts = load_model_parts(  # unfused: mlx-lm's shard splits q/k/v and gate/up by name
+            config.path,
+            LayerRange(init["start"], init["end"]),
+            with_ends=False,
+            config=config,
+            fuse=False,
         )
         shard_layers(config, parts.layers, self.group)
         mx.eval(parts.parameters())
