@@ -152,18 +152,3 @@ def test_an_opening_without_confident_slots_halves_the_draft_limit():
     _, phase = apply_result(plan, np.zeros(k, bool), np.arange(k) + 50)
     assert phase is Phase.DECODE and seq.output == [50] and seq.draft_limit == 4
     assert seq.drafts.size == 0 and seq.forwards == 1 and seq.draft_forwards == 0
-
-
-def test_an_opening_with_a_confident_run_keeps_the_limit_for_its_verification():
-    """Confident mask slots are drafts for the next forward: the limit stays where it was,
-    so the first decode forward verifies the whole run, not half of it."""
-    from coordinator.engine.row_plan import apply_result, plan_speculative
-
-    seq = _seq("speculative", draft="mask", window=8)
-    plan = plan_prefill(seq, 64, MASK, 4096)
-    k = plan.head_slots.size  # the last prompt row's choice, then the mask slots
-    _, phase = apply_result(plan, np.ones(k, bool), np.arange(k) + 50)
-    assert phase is Phase.DECODE and seq.output == [50] and seq.draft_limit == 8
-    assert seq.drafts.tolist() == list(range(52, 50 + k))  # slots 1.. after slot 0's token
-    follow = plan_speculative(seq, MASK, 4096, "mask")
-    assert follow.drafts == k - 2
