@@ -92,26 +92,33 @@ def _fuse(linears: list[nn.Module]) -> nn.Module:
     return fused
 
 
+def _fuse_layer(layer: nn.Module) -> int:
+    fused_groups = 0
+    for _, module in layer.named_modules():
+        for fused_name, names in GROUPS.items():
+            linears = [module.get(n) for n in names]
+            if fused_name in module or any(m is None for m in linears):
+                continue
+            if not _fusable(linears):
+                continue
+            fused = _fuse(linears)
+            mx.eval(fused.parameters())
+            widths = [m["weight"].shape[0] for m in linears]
+            shared = SharedProduct(fused, widths)
+            module[fused_name] = fused
+            for i, name in enumerate(names):
+                setattr(module, name, ProjectionSlice(shared, i, widths[i]))
+            fused_groups += 1
+    return fused_groups
+
+
 def fuse_projections(layers: list[nn.Module]) -> int:
-    """Fuse every group of GROUPS found in `layers`' modules, in place, layer by layer (the
-    unfused weights are freed as it goes). Returns how many groups were fused."""
+    """Fuse every group of GROUPS found in `layers`' modules, in place, layer by layer.
+    Returns how many groups were fused."""
     fused_groups = 0
     for layer in layers:
-        for _, module in layer.named_modules():
-            for fused_name, names in GROUPS.items():
-                linears = [module.get(n) for n in names]
-                if fused_name in module or any(m is None for m in linears):
-                    continue
-                if not _fusable(linears):
-                    continue
-                fused = _fuse(linears)
-                mx.eval(fused.parameters())
-                shared = SharedProduct(fused, [m["weight"].shape[0] for m in linears])
-                module[fused_name] = fused
-                for i, name in enumerate(names):
-                    setattr(module, name, ProjectionSlice(shared, i, linears[i]["weight"].shape[0]))
-                fused_groups += 1
-        # the unfused weights were freed into MLX's buffer cache: give them back now, so a
-        # model that fills the machine's memory loads in no more than its own size
+        fused_groups += _fuse_layer(layer)
+        # that layer's unfused weights went to MLX's buffer cache: give them back now, so
+        # that a model which fills the machine's memory loads within about its own size
         mx.clear_cache()
     return fused_groups
