@@ -19,7 +19,8 @@ wrapped with timers, so each step's wall time splits into
 Inclusive times of nested calls are charged to the innermost name only.
 
 Speculative runs also report the fraction of decode micro-batches that drafted and the
-draft break-even in use (refined online from the engine's forwards).
+draft break-even in use (refined online from the engine's forwards). Every run splits its
+steps by the widths of the forwards they launched (by_launched_width: count, median ms).
 
 Part 2, bare forwards at the same context: T = 1, and a WeDLM window of T rows with the
 explicit (non-causal) mask and with a causal mask, each (a) serial: build + eval, and (b) the
@@ -84,6 +85,7 @@ class Timers:
     def __init__(self) -> None:
         self.total: dict[str, float] = defaultdict(float)
         self.stack: list[list] = []
+        self.launched: list[int] = []  # the widths of the forwards this step launched
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
@@ -118,7 +120,13 @@ def instrument(engine, timers: Timers) -> None:
     s.postprocess = timers.wrap("post", s.postprocess)
     s.reap = timers.wrap("reap", s.reap)
     engine.parts.embed = timers.wrap("graph", engine.parts.embed)
-    engine.pipeline.submit = timers.wrap("graph", engine.pipeline.submit)
+    submit = timers.wrap("graph", engine.pipeline.submit)
+
+    def launched(batch_id, spec, hidden, *rest):
+        timers.launched.append(int(hidden.shape[1]))
+        return submit(batch_id, spec, hidden, *rest)
+
+    engine.pipeline.submit = launched
     engine._select = timers.wrap("select", engine._select)
     engine_module.build_batch = timers.wrap("batch", engine_module.build_batch)
     engine_module.mx = _TimedMx(timers)
@@ -158,6 +166,7 @@ def run_mode(
     if serial:
         engine._launch_wedlm_ahead = lambda *args: False
     steps: list[float] = []
+    by_width: dict[str, list[float]] = defaultdict(list)
     tokens = forwards = 0
     timers.total.clear()
     forwards_before = engine.forwards
@@ -168,11 +177,13 @@ def run_mode(
         while any(not s.finished for s in seqs):
             decoding = all(s.decode_started is not None or s.finished for s in seqs)
             snapshot = dict(timers.total)
+            timers.launched.clear()
             t0 = now()
             engine.step()
             dt = now() - t0
             if decoding:
                 steps.append(dt)
+                by_width[",".join(map(str, timers.launched)) or "none"].append(dt)
             else:  # undo this step's timers
                 timers.total.clear()
                 timers.total.update(snapshot)
@@ -193,6 +204,11 @@ def run_mode(
         "tokens_per_forward": round(tokens / forwards, 3) if forwards else None,
         "decode_tok_s": round(tokens / sum(steps), 1),
         "split_ms_per_step": split,
+        # steps by the widths of the forwards they launched: count, median ms
+        "by_launched_width": {
+            k: [len(v), round(1e3 * statistics.median(v), 3)]
+            for k, v in sorted(by_width.items(), key=lambda kv: -len(kv[1]))
+        },
     } | _draft_stats(engine, batches_before, params)
 
 
