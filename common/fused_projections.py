@@ -11,7 +11,9 @@ The fusion is exact: every output row of a linear layer (and, quantized, its sca
 biases: groups run along the input) is its own, so stacking the layers' rows and slicing
 the product gives each layer's output. mlx-lm's model code is kept as it is: the old names
 (`q_proj`, ...) become slices of one shared product, computed once per input, and the fused
-weights live once under `qkv_proj` / `gate_up_proj` (mlx-lm's Phi-3 names)."""
+weights live once under `qkv_proj` / `gate_up_proj` (mlx-lm's Phi-3 names). A llama or
+qwen2 attention whose q/k/v were fused also ropes q and k in one call
+(common/fused_attention.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from common import fused_attention
 
 GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
@@ -107,6 +111,8 @@ def _fuse_layer(layer: nn.Module) -> int:
             module[fused_name] = fused
             for i, name in enumerate(names):
                 setattr(module, name, ProjectionSlice(shared, i))
+            if fused_name == "qkv_proj":
+                fused_attention.adopt(module)  # q and k through one rope call
             fused_groups += 1
     return fused_groups
 
