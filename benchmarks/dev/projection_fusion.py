@@ -33,10 +33,8 @@ import mlx.nn as nn
 import numpy as np
 
 from benchmarks.dev.bench_io import finish, pyplot, run_info
-from benchmarks.dev.engine import wedlm_filled, window_forward
-from common.kv_rows import KVRows
+from benchmarks.dev.engine import prefilled_rows, random_window_forward
 from common.model_parts import ModelParts, load_model_parts
-from common.window_mask import window_visibility
 
 now = time.perf_counter
 
@@ -59,17 +57,6 @@ def unfused_layers(parts: ModelParts, unfused: list[nn.Module] | None):
             layer.update_modules(old)
 
 
-def _forward_maker(parts: ModelParts, kv: KVRows, t: int, rng: np.random.Generator):
-    windows = window_visibility(wedlm_filled(t))[None] if t > 1 else np.ones((1, 1, 1), bool)
-    heads = np.arange(t)[None] if t > 1 else None
-
-    def forward() -> mx.array:
-        tokens = rng.integers(0, parts.config.vocab_size, (1, t)).astype(np.int32)
-        return window_forward(parts, kv, tokens, windows, heads)
-
-    return forward
-
-
 def _serial(forward) -> tuple[float, float]:
     t0 = now()
     out = forward()
@@ -90,15 +77,12 @@ def _chained(forward, n: int) -> float:
 
 def measure(parts, unfused, widths: list[int], context: int, repeats: int, chain: int) -> dict:
     rng = np.random.default_rng(0)
-    kv = KVRows(len(parts.layers), 1)
-    prompt = rng.integers(0, parts.config.vocab_size, (1, context)).astype(np.int32)
-    mx.eval(window_forward(parts, kv, prompt, np.tri(context, dtype=bool)[None]))
-    kv.commit([context])
+    kv = prefilled_rows(parts, context, rng)
     variants = {"fused": None, "unfused": unfused}
     samples = {
         (v, t, k): [] for v in variants for t in widths for k in ("build", "serial", "chained")
     }
-    forwards = {t: _forward_maker(parts, kv, t, rng) for t in widths}
+    forwards = {t: random_window_forward(parts, kv, t, rng) for t in widths}
     for i in range(repeats + 2):  # the first 2 rounds warm up
         # every width and variant in every round, in alternating order: drift falls on all
         for t in widths if i % 2 == 0 else widths[::-1]:

@@ -36,7 +36,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from unittest import mock
@@ -50,12 +50,11 @@ import mlx.nn as nn
 import numpy as np
 
 from benchmarks.dev.bench_io import finish, pyplot, run_info
-from benchmarks.dev.engine import wedlm_filled, window_forward
+from benchmarks.dev.engine import prefilled_rows, random_window_forward
 from common import fused_attention
 from common.fused_projections import fuse_projections
-from common.kv_rows import KVRows, LayerKV
+from common.kv_rows import LayerKV
 from common.model_parts import ModelParts, load_model_parts
-from common.window_mask import window_visibility
 
 now = time.perf_counter
 PARTS = ("attention", "kv_write", "rope", "norms", "head", "dense", "causal", "one_rope")
@@ -151,21 +150,6 @@ def switched_off(parts: ModelParts, off: set[str], dense_layers: list[nn.Module]
     return stack
 
 
-def _forward_maker(parts: ModelParts, kv: KVRows, t: int, causal: bool,
-                   rng: np.random.Generator) -> Callable[[], mx.array]:  # fmt: skip
-    if t == 1 or causal:
-        windows = np.tri(t, dtype=bool)[None]
-    else:
-        windows = window_visibility(wedlm_filled(t))[None]
-    heads = np.arange(t)[None] if t > 1 else None
-
-    def forward() -> mx.array:
-        tokens = rng.integers(0, parts.config.vocab_size, (1, t)).astype(np.int32)
-        return window_forward(parts, kv, tokens, windows, heads)
-
-    return forward
-
-
 def _serial(forward) -> tuple[float, float]:
     """(launch, total) seconds of one forward: built and launched (`mx.async_eval`),
     then waited for. With MLX_MAX_OPS_PER_BUFFER above the forward's op count MLX commits
@@ -193,15 +177,12 @@ def _chained(forward, n: int) -> tuple[float, float]:
 def measure(parts: ModelParts, dense_layers, variants: list[str], widths: list[int],
             context: int, repeats: int, chain: int) -> dict:  # fmt: skip
     rng = np.random.default_rng(0)
-    kv = KVRows(len(parts.layers), 1)
-    prompt = rng.integers(0, parts.config.vocab_size, (1, context)).astype(np.int32)
-    mx.eval(window_forward(parts, kv, prompt, np.tri(context, dtype=bool)[None]))
-    kv.commit([context])
+    kv = prefilled_rows(parts, context, rng)
     offs = {v: set() if v == "full" else set(v.replace("bare", "+".join(BARE)).split("+"))
             for v in variants}  # fmt: skip
     kinds = ("serial_launch", "serial", "launch", "chained")
     samples = {(v, t, k): [] for v in variants for t in widths for k in kinds}
-    forwards = {(v, t): _forward_maker(parts, kv, t, "causal" in offs[v], rng)
+    forwards = {(v, t): random_window_forward(parts, kv, t, rng, "causal" in offs[v])
                 for v in variants for t in widths}  # fmt: skip
     for i in range(repeats + 2):  # the first 2 rounds warm up
         for v in variants if i % 2 == 0 else variants[::-1]:
