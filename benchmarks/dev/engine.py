@@ -14,7 +14,8 @@ import importlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script: benchmarks/
@@ -131,6 +132,19 @@ def wedlm_filled(t: int) -> np.ndarray:
     filled[:p] = True
     filled[p + 1 :: 3] = True
     return filled
+
+
+@contextmanager
+def swapped(layers: list[nn.Module], names: tuple[str, ...], values: list[dict]) -> Iterator:
+    """Each layer's modules `names` replaced by values[i][name] while the block lasts."""
+    saved = [{n: layer[n] for n in names} for layer in layers]
+    for layer, new in zip(layers, values, strict=True):
+        layer.update_modules(new)
+    try:
+        yield
+    finally:
+        for layer, old in zip(layers, saved, strict=True):
+            layer.update_modules(old)
 
 
 def prefilled_rows(parts: ModelParts, context: int, rng: np.random.Generator) -> KVRows:

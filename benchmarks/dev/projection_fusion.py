@@ -33,7 +33,7 @@ import mlx.nn as nn
 import numpy as np
 
 from benchmarks.dev.bench_io import finish, pyplot, run_info
-from benchmarks.dev.engine import prefilled_rows, random_window_forward
+from benchmarks.dev.engine import prefilled_rows, random_window_forward, swapped
 from common.model_parts import ModelParts, load_model_parts
 
 now = time.perf_counter
@@ -47,14 +47,8 @@ def unfused_layers(parts: ModelParts, unfused: list[nn.Module] | None):
         yield
         return
     names = ("self_attn", "mlp")
-    saved = [{n: layer[n] for n in names} for layer in parts.layers]
-    for layer, ref in zip(parts.layers, unfused, strict=True):
-        layer.update_modules({n: ref[n] for n in names})
-    try:
+    with swapped(parts.layers, names, [{n: ref[n] for n in names} for ref in unfused]):
         yield
-    finally:
-        for layer, old in zip(parts.layers, saved, strict=True):
-            layer.update_modules(old)
 
 
 def _serial(forward) -> tuple[float, float]:

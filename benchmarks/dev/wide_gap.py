@@ -50,7 +50,7 @@ import mlx.nn as nn
 import numpy as np
 
 from benchmarks.dev.bench_io import figure, finish, run_info, save_figure
-from benchmarks.dev.engine import prefilled_rows, random_window_forward
+from benchmarks.dev.engine import prefilled_rows, random_window_forward, swapped
 from common import fused_attention
 from common.fused_projections import fuse_projections
 from common.kv_rows import LayerKV
@@ -98,19 +98,6 @@ def two_rope_calls(attentions: list[nn.Module]) -> Iterator:
     finally:
         for a in adopted:
             a.__class__ = fused_attention._with_one_rope_call(type(a))
-
-
-@contextmanager
-def swapped(layers: list[nn.Module], names: tuple[str, ...], values: list[dict]) -> Iterator:
-    """Each layer's modules `names` replaced by values[i][name] while the block lasts."""
-    saved = [{n: layer[n] for n in names} for layer in layers]
-    for layer, new in zip(layers, values, strict=True):
-        layer.update_modules(new)
-    try:
-        yield
-    finally:
-        for layer, old in zip(layers, saved, strict=True):
-            layer.update_modules(old)
 
 
 def _no_attention(queries, keys, values, cache=None, scale=None, mask=None, sinks=None):
