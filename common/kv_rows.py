@@ -61,9 +61,13 @@ class LayerKV:
         keys, values = self.encode(keys), self.encode(values)
         if self.keys is None or parts_of(self.keys)[0].shape[2] < rows.capacity:
             self._grow(keys, values, rows.capacity)
+        span = rows.span
+        if isinstance(keys, mx.array):  # a float cache: one array each, no parts to map
+            self.keys = _write_part(self.keys, keys, rows, t)
+            self.values = _write_part(self.values, values, rows, t)
+            return self.keys[:b, :, :span, :], self.values[:b, :, :span, :]
         self.keys = _write(self.keys, keys, rows, t)
         self.values = _write(self.values, values, rows, t)
-        span = rows.span
         return (
             like(self.keys, (a[:b, :, :span, :] for a in parts_of(self.keys))),
             like(self.values, (a[:b, :, :span, :] for a in parts_of(self.values))),
@@ -105,17 +109,18 @@ class QuantizedLayerKV(LayerKV):
 
 def _write(stored: Stored, new: Stored, rows: KVRows, t: int) -> Stored:
     """Write the forward's T new rows of every part at each row's positions."""
-    out = []
-    for old, part in zip(parts_of(stored), parts_of(new), strict=True):
-        b = part.shape[0]
-        if rows.uniform_start is not None:  # one contiguous slice for all rows
-            s = rows.uniform_start
-            old[:b, :, s : s + t, :] = part
-        else:
-            pos = mx.broadcast_to(rows.write_positions[:, None, :, None], part.shape)
-            old = mx.put_along_axis(old, pos, part, axis=2)
-        out.append(old)
-    return like(stored, out)
+    parts = zip(parts_of(stored), parts_of(new), strict=True)
+    return like(stored, [_write_part(old, part, rows, t) for old, part in parts])
+
+
+def _write_part(old: mx.array, part: mx.array, rows: KVRows, t: int) -> mx.array:
+    """Write one part's T new rows at each row's positions."""
+    if rows.uniform_start is not None:  # one contiguous slice for all rows
+        s = rows.uniform_start
+        old[: part.shape[0], :, s : s + t, :] = part
+        return old
+    pos = mx.broadcast_to(rows.write_positions[:, None, :, None], part.shape)
+    return mx.put_along_axis(old, pos, part, axis=2)
 
 
 def _grown(stored: Stored | None, new: Stored, capacity: int) -> Stored:

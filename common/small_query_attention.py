@@ -249,6 +249,8 @@ def fits(queries: mx.array, keys: mx.array, values: mx.array, mask: object) -> b
     or one row with a bool mask (AR rows of different lengths: MLX-CUDA's vector kernel
     takes no mask array, so MLX would compose the attention from separate ops); a head dim
     it unrolls; floating KV (a quantized cache goes mlx-lm's own way)."""
+    if mask is None:  # one row with no mask (AR at one length): MLX's vector kernel
+        return False
     b, hq, t, d = queries.shape
     _, hkv, s, dk = keys.shape
     if not 1 <= t <= s <= MAX_KEYS or t > MAX_QUERIES or d not in HEAD_DIMS or dk != d:
