@@ -45,19 +45,22 @@ def count(local, prompts: list[list[int]], params: GenerationParams, concurrency
         return ran
 
     engine._complete = counted
-    tokens = 0
+    tokens, per_request = 0, []
     try:
         for start in range(0, len(prompts), concurrency):
             seqs = [engine.submit(p, params) for p in prompts[start : start + concurrency]]
             for _ in engine.stream(seqs):
                 pass
             tokens += sum(len(s.output) for s in seqs)
+            per_request += [[len(s.output), s.forwards] for s in seqs]
     finally:
         engine._complete = complete
     forwards = sum(kinds.values())
     return {
         "decode_forwards": forwards,
         "tokens": tokens,
+        # each request's tokens and forwards: a closed batch lasts as long as its slowest
+        "per_request_tokens_forwards": per_request,
         "by_kind": {k: kinds[k] for k in KINDS},
         "read_back_first_fraction": round(
             (kinds[KINDS[1]] + kinds[KINDS[3]]) / max(forwards, 1), 3

@@ -128,7 +128,9 @@ def main() -> None:
             "plain_step_ms_mean": round(1e3 * sum(plain) / max(len(plain), 1), 3),
             "profiled_step_ms_median": ms(steps),
         } | heaviest(pstats.Stats(profile), len(steps), args.top)
-        print(key, {k: v for k, v in profiled[key].items() if "us" not in k}, file=sys.stderr)
+        print(
+            key, {k: v for k, v in profiled[key].items() if not k.endswith("_us")}, file=sys.stderr
+        )
     result["cprofile"] = profiled
 
     if args.delay_ms:
