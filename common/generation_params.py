@@ -45,6 +45,9 @@ class GenerationParams:
     # None: no logprobs; k >= 0: each committed token's logprob and its k likeliest
     # alternatives (coordinator/engine/token_logprobs.py says under which forward)
     logprobs: int | None = None
+    # the prompt's tokens' logprobs too (each from the prefill row before it; the first
+    # has none), with `logprobs` alternatives each: OpenAI completions' echo
+    prompt_logprobs: bool = False
     # an llguidance grammar the output must match (structured output); None: free text
     grammar: str | None = None
     # OpenAI's penalties on tokens already in the output, HF's on the prompt's and the
@@ -114,6 +117,8 @@ class GenerationParams:
                 raise bad(f"logit_bias: values must be between -100 and 100, got {value}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise bad(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise bad("logprobs: prompt logprobs need logprobs (the alternatives' count)")
 
     @property
     def forward_rows(self) -> int:

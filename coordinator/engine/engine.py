@@ -77,6 +77,7 @@ class Ran:
     tokens: object  # [B, K] int (a diffusion engine: None)
     ahead: bool  # its unit's next forward was launched ahead
     logprobs: token_logprobs.SlotLogprobs | None = None  # for the rows that ask
+    prompt_scores: token_logprobs.PromptScores | None = None  # params.prompt_logprobs rows
 
 
 class Engine:
@@ -321,6 +322,8 @@ class Engine:
             token_logprobs.record(
                 ran.logprobs, flight.plans, before, ran.tokens, ran.fills, window_steps
             )
+        if ran.prompt_scores is not None:
+            token_logprobs.record_prompt(ran.prompt_scores, flight.plans)
         if ran.ahead and self.in_flight and self.in_flight[-1].unresolved:
             ahead = self.in_flight[-1]
             if self._cut & {p.seq.seq_id for p in ahead.plans}:
@@ -446,10 +449,20 @@ class Engine:
         if flight.unresolved:  # a look-ahead WeDLM forward returned every slot
             rows = len(flight.plans)
             hidden = select_slots(hidden[:rows], flight.batch.head_slots)
+        scores = None
+        if not flight.unresolved and flight.batch.score_slots.shape[1]:
+            # prompt rows scored for prompt logprobs came back after the head slots
+            k = flight.batch.head_slots.shape[1]
+            rows = len(flight.plans)
+            scores = token_logprobs.prompt_scores(
+                flight.plans, flight.batch.score_slots, hidden[:rows, k:], self.parts.head
+            )
+            hidden = hidden[:, :k]
         fills, tokens, logprobs = self._select(flight.batch, hidden, fill)
         # Queue this step's selection before the look-ahead forward: the device runs its
         # work in order, so the sync below then waits for step t only, not for t+1.
         extra = logprobs.arrays() if logprobs is not None else []
+        extra += scores.arrays() if scores is not None else []
         mx.async_eval(fills, tokens, *extra)
         ahead = (
             self._launch_ahead(flight, tokens)
@@ -465,7 +478,7 @@ class Engine:
         self.forwards += 1
         self._time_forward(flight)
         self._count_batch(flight)
-        return Ran(flight, np.array(fills), host_tokens, ahead, logprobs)
+        return Ran(flight, np.array(fills), host_tokens, ahead, logprobs, scores)
 
     def _fill_early(self, flight: InFlight, tokens: np.ndarray) -> None:
         """The masks of an autoregressive look-ahead forward, started before this step's

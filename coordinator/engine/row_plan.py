@@ -36,6 +36,10 @@ class RowPlan:
     extent: int = 0  # compacted canvas: its length (positions the slots see)
     # the prompt's last chunk carrying the first decode step's mask slots (plan_opening)
     opens: bool = False
+    # params.prompt_logprobs: prompt rows whose logits score the next prompt token, which
+    # sits at prompt index score_start + j for score slot j (the head runs on them apart)
+    score_slots: np.ndarray = field(default_factory=lambda: _NONE)
+    score_start: int = 0
 
     @property
     def width(self) -> int:
@@ -60,7 +64,24 @@ def plan_prefill(
 ) -> RowPlan:
     """The next chunk of the prompt (or of the history being rebuilt); AR needs the last
     prompt row's logits, a rebuild needs none. With `mask_token_id`, the prompt's last
-    chunk also opens decoding where it can (plan_opening)."""
+    chunk also opens decoding where it can (plan_opening). A request that asks for its
+    prompt's logprobs also scores each row whose next token is in the prompt."""
+    plan = _prefill_rows(seq, chunk, mask_token_id, max_positions, break_even)
+    if seq.params.prompt_logprobs and not seq.rebuild_to:
+        start = seq.prefilled
+        scored = min(plan.keep, len(seq.prompt) - 1 - start)
+        plan.score_slots = np.arange(max(scored, 0))
+        plan.score_start = start + 1
+    return plan
+
+
+def _prefill_rows(
+    seq: Sequence,
+    chunk: int,
+    mask_token_id: int | None,
+    max_positions: int,
+    break_even: float,
+) -> RowPlan:
     start = seq.prefilled
     source = seq.prefill_tokens()
     tokens = np.asarray(source[start : start + chunk], dtype=np.int32)

@@ -154,6 +154,8 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             own = not seq.rebuild_to and seq.share_from is None  # prompt_sharing: its fork
+            # prompt logprobs need every prompt row's logits: no cached rows skip them
+            own = own and not seq.params.prompt_logprobs
             hit = cache.find(seq.prompt) if cache is not None and own else None
             if budget is not None:
                 need = in_use + self.kv_need(seq)

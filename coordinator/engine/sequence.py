@@ -74,6 +74,9 @@ class Sequence:
     text_tail: Callable[[list[int]], str] | None = field(default=None, repr=False)
     # params.logprobs: chosen tokens' logprobs by output index until they commit
     token_logprobs: dict[int, Any] = field(default_factory=dict, repr=False)
+    # params.prompt_logprobs: the prompt's tokens' logprobs by prompt index (a re-prefill
+    # overwrites them alike), handed out with its first commit (token_logprobs.attach)
+    prompt_logprobs: dict[int, Any] | None = field(default_factory=dict, repr=False)
     matcher: Any = field(default=None, repr=False)  # params.grammar's state (constrained.py)
 
     @property

@@ -3,7 +3,7 @@ windows padded to a common width, head slots padded to a common count."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -21,16 +21,21 @@ class TickBatch:
     spec: RowsSpec  # what the layers need: sequences, starts, filled flags, keeps
     head_slots: np.ndarray  # [B, K]
     head_is_mask: np.ndarray  # [B, K]
+    # [B, S] prompt rows scored for prompt logprobs (RowPlan.score_slots; S = 0: none)
+    score_slots: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
 
     @property
     def wants_head(self) -> bool:
         return self.head_slots.shape[1] > 0
 
     def reply_slots(self) -> np.ndarray:
-        """[rows incl. padding, K]: the slots whose final hidden states the head needs;
-        the last worker returns only these (none for a prefill chunk without logits)."""
-        slots = np.zeros((self.spec.num_rows, self.head_slots.shape[1]), dtype=np.int32)
-        slots[: len(self.plans)] = self.head_slots
+        """[rows incl. padding, K + S]: the slots whose final hidden states the head needs
+        (the head slots, then the scored prompt rows); the last worker returns only these
+        (none for a prefill chunk without logits)."""
+        k, s = self.head_slots.shape[1], self.score_slots.shape[1]
+        slots = np.zeros((self.spec.num_rows, k + s), dtype=np.int32)
+        slots[: len(self.plans), :k] = self.head_slots
+        slots[: len(self.plans), k:] = self.score_slots
         return slots
 
     def _column(self, get, default, dtype) -> mx.array:
@@ -163,4 +168,9 @@ def build_batch(plans: list[RowPlan], padding_ids: list[int] = ()) -> TickBatch:
                 # padding slots write past the canvas, never over a position it reuses
                 spec.offsets[i, p.width :] = p.extent + np.arange(width - p.width)
                 spec.extent[i] = p.extent
-    return TickBatch(plans, tokens, spec, head_slots, head_is_mask)
+    scored = max(p.score_slots.size for p in plans)
+    # padded as widths are (bounded shapes); padding slots score row 0 and are not read
+    score_slots = np.zeros((len(plans), padded_width(scored)), dtype=np.int64)
+    for i, p in enumerate(plans):
+        score_slots[i, : p.score_slots.size] = p.score_slots
+    return TickBatch(plans, tokens, spec, head_slots, head_is_mask, score_slots)
