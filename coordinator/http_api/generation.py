@@ -25,7 +25,7 @@ from coordinator.http_api.request_mapping import (
     generation_params,
 )
 from coordinator.http_api.response_format import response_format_grammar, tool_choice_grammar
-from coordinator.http_api.schemas import ChatCompletionRequest, GenerationFields
+from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
 from coordinator.http_api.stop_text import StopText, trim_at_stop
 from coordinator.service.jobs import Job
 from coordinator.service.messages import Final, RequestResult, Tokens
@@ -34,12 +34,17 @@ from coordinator.service.results import ENGINE_STOPPED, OUT_OF_MEMORY
 Encode = Callable[[], tuple[list[int], GenerationParams]]
 
 
-def openai_encoder(backend: ApiBackend, body: GenerationFields) -> Encode:
+def openai_encoder(
+    backend: ApiBackend, body: GenerationFields, ids: list[int] | None = None
+) -> Encode:
     """The prompt ids and GenerationParams of an OpenAI request, chat or text, as every
-    API adapter maps its own request into one (run by Generation.start on a worker thread)."""
+    API adapter maps its own request into one (run by Generation.start on a worker thread).
+    `ids`: a completion prompt already tokenized (one of a request's list of prompts)."""
 
     def encode() -> tuple[list[int], GenerationParams]:
-        if isinstance(body, ChatCompletionRequest):
+        if ids is not None:
+            prompt = ids
+        elif isinstance(body, ChatCompletionRequest):
             prompt = chat_prompt(body, backend.tokenizer, backend.context)
         else:
             prompt = completion_prompt(body, backend.tokenizer, backend.context)  # type: ignore[arg-type]
@@ -47,6 +52,8 @@ def openai_encoder(backend: ApiBackend, body: GenerationFields) -> Encode:
         params = generation_params(
             body, len(prompt), backend.context, backend.default_max_tokens, vocab
         )
+        if isinstance(body, CompletionRequest) and body.echo:
+            params = echo_params(body, params, backend.default_mode)
         if isinstance(body, ChatCompletionRequest):
             grammars = backend.admission.engine.grammars
             grammar = response_format_grammar(body.response_format, grammars)
@@ -58,6 +65,18 @@ def openai_encoder(backend: ApiBackend, body: GenerationFields) -> Encode:
         return prompt, params
 
     return encode
+
+
+def echo_params(
+    body: CompletionRequest, params: GenerationParams, default_mode: str
+) -> GenerationParams:
+    """Completions' echo: with logprobs, the prompt's too. Echo only (max_tokens 0) decodes
+    the one token it drops autoregressively where it can: AR takes it from the prompt's
+    last row, so no forward is spent past the prompt's."""
+    params = replace(params, prompt_logprobs=params.logprobs is not None)
+    if body.echo_only() and "diffusion" not in (params.mode, default_mode):
+        params = replace(params, mode="ar")
+    return params
 
 
 class CommitText(str):
@@ -97,7 +116,16 @@ class Generation:
 
         def admit() -> list[Job]:
             prompt, params = encode()
-            choices = [replace(params, seed=(params.seed + i) % 2**32) for i in range(n)]
+            # the prompt's logprobs are the same for every choice: the first computes them
+            # (the others copy its prompt rows, prompt_sharing.py)
+            choices = [
+                replace(
+                    params,
+                    seed=(params.seed + i) % 2**32,
+                    prompt_logprobs=params.prompt_logprobs and i == 0,
+                )
+                for i in range(n)
+            ]
             listens = [e.put for e in events]
             return backend.admission.accept_choices(prompt, choices, 0.0, listens)
 

@@ -1,5 +1,6 @@
 """Committed tokens' logprobs (coordinator/engine/token_logprobs.py) in OpenAI's two
-shapes: chat's `logprobs.content` entries and completions' parallel lists."""
+shapes: chat's `logprobs.content` entries and completions' parallel lists (with `echo`,
+the prompt's tokens first)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,17 @@ class LogprobText:
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
+
+    def echoed(self, first: int, prompt: list, generated: list, answer_at: int) -> dict[str, Any]:
+        """Completions' lists with `echo`: the prompt's tokens (`first` has no logprob, as
+        OpenAI and vLLM answer it: null, and null alternatives), then the generated ones;
+        `answer_at`: where the generated text starts (after the echoed prompt's text)."""
+        head = self._piece(first)[0]
+        found = self.completion(prompt, len(head))
+        after = self.completion(generated, answer_at)
+        return {
+            "tokens": [head, *found["tokens"], *after["tokens"]],
+            "token_logprobs": [None, *found["token_logprobs"], *after["token_logprobs"]],
+            "top_logprobs": [None, *found["top_logprobs"], *after["top_logprobs"]],
+            "text_offset": [0, *found["text_offset"], *after["text_offset"]],
+        }

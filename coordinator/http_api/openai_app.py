@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -16,9 +17,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from coordinator.console.console_routes import add_console
+from coordinator.engine.token_logprobs import PromptLogprob
 from coordinator.http_api.anthropic_app import add_anthropic_routes
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import (
@@ -45,9 +48,11 @@ from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
     chat_tools,
+    completion_prompts,
 )
 from coordinator.http_api.responses_app import add_responses_routes
 from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
+from coordinator.http_api.tokenize_app import add_tokenize_routes
 from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from coordinator.service.admission import Refused
 from coordinator.service.messages import RequestResult
@@ -64,9 +69,14 @@ API_SUPPORT = {
                     "refuses": ["response_format with a required tool call"]},
     "openai_completions": {"path": "/v1/completions",
                            "supports": ["stream", "stop", "temperature", "top_p", "seed",
-                                        "token-id prompts", "logprobs<=20", "n<=16",
-                                        "penalties", "logit_bias"],
-                           "refuses": ["best_of>1", "echo", "suffix"]},
+                                        "token-id prompts", "lists of prompts",
+                                        "logprobs<=20", "n<=16", "penalties", "logit_bias",
+                                        "echo (with prompt logprobs)", "max_tokens 0 (echo)"],
+                           "refuses": ["best_of>1", "suffix",
+                                       "a streamed echo with logprobs and n>1"]},
+    "tokenize": {"path": "/tokenize, /detokenize",
+                 "supports": ["prompt", "messages", "tools", "return_token_strs"],
+                 "refuses": ["add_special_tokens false", "add_generation_prompt false"]},
     "anthropic_messages": {"path": "/v1/messages",
                            "supports": ["system", "stream", "stop_sequences", "temperature",
                                         "top_p", "top_k", "tool_use/tool_result blocks",
@@ -89,12 +99,30 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+@dataclass(frozen=True)
+class _Echo:
+    """What a completion with `echo` answers before its own text."""
+
+    text: str  # the prompt as sent (token ids: decoded)
+    first: int  # the prompt's first token (it has no logprob)
+    drop: bool  # max_tokens 0: the one token decoded is not answered
+
+
 class _Reply:
     """The ids, object names and shapes of one request's answer (chat or text)."""
 
-    def __init__(self, chat: bool, model: str, index: int = 0, first: _Reply | None = None):
-        """`index`: the choice (n > 1); `first`: choice 0's reply, whose id it shares."""
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        index: int = 0,
+        first: _Reply | None = None,
+        echo: _Echo | None = None,
+    ):
+        """`index`: the choice (n > 1, several prompts); `first`: choice 0's reply, whose
+        id it shares; `echo`: its prompt, answered first (completions' echo)."""
         self.chat = chat
+        self.echo = echo
         self.id = first.id if first else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.model = model
         self.created = first.created if first else int(time.time())
@@ -134,6 +162,33 @@ class _Reply:
         if found["tokens"]:
             self.text_offset = found["text_offset"][-1] + len(found["tokens"][-1])
         return found
+
+    def echoed(
+        self,
+        text: str,
+        entries: list,
+        leader: list,
+        token_text: LogprobText,
+        logprobs: bool,
+        answer: bool = True,
+    ) -> tuple[str, dict[str, Any] | None]:
+        """The echoed prompt, then `text` (dropped when echo only), and with `logprobs`
+        their tokens' (the prompt's from `leader`: its prompt's first choice's entries,
+        the generated ones from `entries`; `answer` False: the prompt's only, a stream's
+        first chunk). Later chunks' offsets continue after them."""
+        echo = self.echo
+        assert echo is not None
+        keep = answer and not echo.drop
+        whole = echo.text + (text if keep else "")
+        self.text_offset = len(echo.text)
+        if not logprobs:
+            return whole, None
+        prompt = [e for e in leader if isinstance(e, PromptLogprob)]
+        own = [e for e in entries if not isinstance(e, PromptLogprob)] if keep else []
+        found = token_text.echoed(echo.first, prompt, own, len(echo.text))
+        if own:
+            self.text_offset = found["text_offset"][-1] + len(found["tokens"][-1])
+        return whole, found
 
     def commit_chunk(self, text: str, forwards: int, tokens: int) -> str:
         """A text chunk that also says how many forwards committed it (stream_commits)."""
@@ -219,6 +274,28 @@ def _usage_of(results: list[RequestResult]) -> dict[str, Any]:
     return usage
 
 
+def _usage_all(results: list[RequestResult], n: int, echo_only: bool) -> dict[str, Any]:
+    """Usage of a request's prompts (n choices each, in order): each prompt counted once,
+    everything summed; echo only (max_tokens 0) answers no completion tokens."""
+    usage = _usage_of(results[:n])
+    for start in range(n, len(results), n):
+        more = _usage_of(results[start : start + n])
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens", "forwards"):
+            usage[key] += more[key]
+        usage["prompt_tokens_details"]["cached_tokens"] += more["prompt_tokens_details"][
+            "cached_tokens"
+        ]
+        if "completion_tokens_details" in more:
+            details = usage.setdefault("completion_tokens_details", {
+                "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0})  # fmt: skip
+            for key, value in more["completion_tokens_details"].items():
+                details[key] += value
+    if echo_only:
+        usage["total_tokens"] -= usage["completion_tokens"]
+        usage["completion_tokens"] = 0
+    return usage
+
+
 async def _merged(streams: list) -> AsyncIterator[Any]:
     """The items of several async iterators as each comes (one alone: as it is)."""
     if len(streams) == 1:
@@ -289,10 +366,49 @@ def build_app(backend: ApiBackend) -> FastAPI:
         except Refused as e:
             raise from_refusal(e, body.limit_field(), PARAM_FIELDS, body.prompt_field()) from None
 
+    async def start_prompts(
+        request: Request, body: CompletionRequest
+    ) -> tuple[list[Generation], list[_Echo | None]]:
+        """Completions: n choices per prompt (a list of prompts: all admitted at once, so
+        the engine batches them; one refused cancels the others), and per prompt what
+        `echo` answers first (None without echo)."""
+        check_model(body.model)
+        vocab = backend.admission.engine.config.vocab_size
+        prompts = await run_in_threadpool(
+            completion_prompts, body, backend.tokenizer, backend.context, vocab
+        )
+        n = body.n or 1
+        started = await asyncio.gather(
+            *(Generation.start_choices(backend, request, openai_encoder(backend, body, ids), n)
+              for ids in prompts),
+            return_exceptions=True,
+        )  # fmt: skip
+        failed = [s for s in started if isinstance(s, BaseException)]
+        if failed:
+            for choices in started:
+                for gen in choices if isinstance(choices, list) else ():
+                    gen.cancel()
+            if isinstance(failed[0], Refused):
+                field = body.prompt_field()
+                raise from_refusal(failed[0], body.limit_field(), PARAM_FIELDS, field) from None
+            raise failed[0]
+        echoes: list[_Echo | None] = [None] * len(prompts)
+        if body.echo:
+            texts = body.prompts()
+            for i, ids in enumerate(prompts):
+                text = texts[i] if isinstance(texts[i], str) else backend.tokenizer.decode(ids)
+                echoes[i] = _Echo(text, ids[0], body.echo_only())  # type: ignore[arg-type]
+        return [g for choices in started for g in choices], echoes  # type: ignore[union-attr]
+
     async def answer(request: Request, body: GenerationFields, chat: bool):
-        gens = await start(request, body)
-        replies = [_Reply(chat, backend.model_name)]
-        replies += [_Reply(chat, backend.model_name, i, replies[0]) for i in range(1, len(gens))]
+        if isinstance(body, CompletionRequest):
+            gens, echoes = await start_prompts(request, body)
+        else:
+            gens, echoes = await start(request, body), [None]
+        n = len(gens) // len(echoes)  # choices per prompt, in order (OpenAI's indices)
+        replies = [_Reply(chat, backend.model_name, echo=echoes[0])]
+        replies += [_Reply(chat, backend.model_name, i, replies[0], echoes[i // n])
+                    for i in range(1, len(gens))]  # fmt: skip
         tools = None
         if chat and body.tools_in_use():  # type: ignore[attr-defined]
             tools = (backend.tokenizer.tool_calling, chat_tools(body))  # type: ignore[arg-type]
@@ -301,7 +417,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             streams = [_choice_stream(g, r, tools, body.stream_commits, logprobs)
                        for g, r in zip(gens, replies, strict=True)]  # fmt: skip
-            return event_stream(_stream(streams, replies, include_usage))
+            return event_stream(_stream(streams, replies, include_usage, n))
         results = await asyncio.gather(*(g.result() for g in gens))
         if any(r is None for r in results):
             return JSONResponse(error_body(499, "the client disconnected"), 499)
@@ -309,23 +425,29 @@ def build_app(backend: ApiBackend) -> FastAPI:
             if result.error:
                 raise failure(result)
         answers = []
-        for gen, reply, result in zip(gens, replies, results, strict=True):
+        for i, (gen, reply, result) in enumerate(zip(gens, replies, results, strict=True)):
             text, calls = result.text, []
             if tools is not None:
                 text, calls = split_tool_calls(tools[0], text, tools[1])
             reason = finish_reason(result)
             if calls and reason == "stop":
                 reason = "tool_calls"
-            found = reply.logprobs(gen.job.logprobs, token_text) if logprobs else None
+            found = None
+            if reply.echo is not None:  # its prompt's logprobs: the prompt's first choice's
+                leader = gens[i - i % n].job.logprobs
+                text, found = reply.echoed(text, gen.job.logprobs, leader, token_text, logprobs)
+            elif logprobs:
+                found = reply.logprobs(gen.job.logprobs, token_text)
             answers.append(reply.whole(text, reason, _usage(result), calls, found))
         whole = answers[0]
         whole["choices"] = [a["choices"][0] for a in answers]
-        whole["usage"] = _usage_of(results)
+        whole["usage"] = _usage_all(results, n, echoes[0] is not None and echoes[0].drop)
         return JSONResponse(whole)
 
-    async def _stream(streams: list, replies: list[_Reply], include_usage: bool):
-        """The choices' chunks as they come (interleaved when n > 1), then the usage of
-        all and [DONE]. Each choice stream yields SSE text, then its result record."""
+    async def _stream(streams: list, replies: list[_Reply], include_usage: bool, n: int):
+        """The choices' chunks as they come (interleaved when n > 1 or several prompts),
+        then the usage of all and [DONE]. Each choice stream yields SSE text, then its
+        (index, result) record."""
         if replies[0].chat:
             for reply in replies:
                 yield reply.chunk(None, role=True)
@@ -335,27 +457,40 @@ def build_app(backend: ApiBackend) -> FastAPI:
                 yield item
                 continue
             results.append(item)
-            if item.error:
+            if item[1].error:
                 break
-        complete = len(results) == len(streams) and not any(r.error for r in results)
+        complete = len(results) == len(streams) and not any(r.error for _, r in results)
         if complete and include_usage:
-            yield replies[0].usage_chunk(_usage_of(results))
+            drop = replies[0].echo is not None and replies[0].echo.drop
+            ordered = [r for _, r in sorted(results, key=lambda item: item[0])]
+            yield replies[0].usage_chunk(_usage_all(ordered, n, drop))
         yield "data: [DONE]\n\n"
 
     async def _choice_stream(gen: Generation, reply: _Reply, tools, commits: bool, logprobs: bool):
-        """One choice's chunks, then its result record. `commits` (stream_commits): a chunk
-        per commit, saying how many forwards and tokens it carries (the console groups the
-        tokens of one forward); `logprobs`: each text chunk carries its tokens' logprobs."""
+        """One choice's chunks, then its (index, result) record. `commits` (stream_commits):
+        a chunk per commit, saying how many forwards and tokens it carries (the console
+        groups the tokens of one forward); `logprobs`: each text chunk carries its tokens'
+        logprobs. With echo, the prompt's chunk comes first (with its logprobs, which the
+        first commit carried)."""
         calls = ToolCallStream(*tools) if tools is not None else None
+        echo = reply.echo
 
         def chunks(pieces):  # text, or the calls of one completed tool call
             for p in pieces:
                 yield reply.text_chunk(p) if isinstance(p, str) else reply.calls_chunk(p)
 
         async for piece in gen.pieces(merge=not commits):
+            if echo is not None and not (isinstance(piece, RequestResult) and piece.error):
+                text, found = reply.echoed("", gen.job.logprobs, gen.job.logprobs, token_text,
+                                           logprobs, answer=False)  # fmt: skip
+                yield reply.text_chunk(text, found)
+                echo = None
             if isinstance(piece, str):
+                if reply.echo is not None and reply.echo.drop:
+                    continue  # echo only: the one token decoded is not answered
                 if calls is None and isinstance(piece, CommitText) and logprobs:
-                    yield reply.text_chunk(piece, reply.logprobs(piece.logprobs, token_text))
+                    own = [e for e in piece.logprobs if not isinstance(e, PromptLogprob)]
+                    yield reply.text_chunk(piece, reply.logprobs(own, token_text))
                 elif calls is None and isinstance(piece, CommitText) and commits:
                     yield reply.commit_chunk(piece, piece.forwards, piece.tokens)
                 elif calls is None:
@@ -376,7 +511,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
                     if calls.calls and reason == "stop":
                         reason = "tool_calls"
                 yield reply.chunk(None, finish=reason)
-            yield result
+            yield reply.index, result
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
@@ -403,6 +538,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
     add_anthropic_routes(app, backend, parsing)  # /v1/messages
     add_ollama_routes(app, backend, parsing)  # /api/chat, /api/generate, ...
     add_responses_routes(app, backend, parsing, authorized, check_model)  # /v1/responses
+    add_tokenize_routes(app, backend, parsing, authorized, check_model)  # vLLM's /tokenize
 
     @app.get("/health")
     @app.get("/health/live")

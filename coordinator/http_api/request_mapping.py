@@ -117,20 +117,39 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Tokenizer, context: int)
 
 
 def completion_prompt(body: CompletionRequest, tokenizer: Tokenizer, context: int) -> list[int]:
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ApiError(400, f"prompt: one prompt per request, got {len(prompt)}", "prompt")
-        prompt = prompt[0]
-    if not prompt:
+    """The one prompt of a request that takes one (the Ollama and other adapters')."""
+    prompts = body.prompts()
+    if len(prompts) != 1:
+        raise ApiError(400, f"prompt: one prompt per request, got {len(prompts)}", "prompt")
+    return completion_prompts(body, tokenizer, context)[0]
+
+
+def completion_prompts(
+    body: CompletionRequest, tokenizer: Tokenizer, context: int, vocab: int = 1 << 31
+) -> list[list[int]]:
+    """Each prompt's token ids (a list of prompts: one each, in order); `vocab`: token-id
+    prompts are checked against it."""
+    prompts = body.prompts()
+    if not prompts:
         raise ApiError(400, "prompt must not be empty", "prompt")
-    try:
-        if isinstance(prompt, str):
-            return tokenizer.encode(prompt, limit=context)
-        check_tokens(len(prompt), context, "token ids")
-    except PromptTooLong as e:
-        raise _too_long(e, "prompt", context) from None
-    return [int(t) for t in prompt]
+    out = []
+    for i, prompt in enumerate(prompts):
+        field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if not prompt:
+            raise ApiError(400, f"{field} must not be empty", field)
+        try:
+            if isinstance(prompt, str):
+                out.append(tokenizer.encode(prompt, limit=context))
+                continue
+            check_tokens(len(prompt), context, "token ids")
+        except PromptTooLong as e:
+            raise _too_long(e, field, context) from None
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"{field}: token ids outside the vocabulary [0, {vocab}): "
+                           f"{bad[:5]}", field)  # fmt: skip
+        out.append([int(t) for t in prompt])
+    return out
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

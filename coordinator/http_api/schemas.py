@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from common.generation_params import MAX_TOP_LOGPROBS
 
 MAX_CHOICES = 16  # n: choices per request (each its own sequence; one prompt prefill)
+# completions: prompts in one request, times n (each choice a sequence, batched together)
+MAX_PROMPT_CHOICES = 128
 
 
 class _Body(BaseModel):
@@ -152,11 +154,18 @@ class ChatCompletionRequest(GenerationFields):
             raise ValueError("top_logprobs: needs logprobs true")
         return (top or 0) if lp else None
 
+    echo: bool = False  # completions' field; refused here (unsupported)
+
     def tools_in_use(self) -> bool:
         """Tools are rendered into the prompt and calls parsed from the answer."""
         return bool(self.tools) and self.tool_choice != "none"
 
     def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", (
+                "echo: is a /v1/completions field (the prompt and its logprobs); chat "
+                "completions do not echo the messages"
+            )
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             return "tool_choice", "tool_choice: names a tool call, but there are no tools"
         if self.response_format and self.tool_choice not in (None, "none", "auto"):
@@ -167,16 +176,63 @@ class ChatCompletionRequest(GenerationFields):
 
 
 class CompletionRequest(GenerationFields):
+    # one prompt (text or token ids) or a list of them (one choice each, n each with n)
     prompt: str | list[int] | list[str] | list[list[int]]
+    # the answer's text starts with the prompt, and with `logprobs` so do its logprobs (the
+    # prompt's first token has none): how lm-eval scores loglikelihoods
     echo: bool = False
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: echo only, nothing generated
     suffix: str | None = None
     best_of: int | None = None
 
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The request's prompts: a string or a token list is one."""
+        p = self.prompt
+        if isinstance(p, str) or not p or not isinstance(p[0], (str, list)):
+            return [p]  # type: ignore[list-item]
+        return p  # type: ignore[return-value]
+
+    def echo_only(self) -> bool:
+        """max_tokens 0: only the prompt (and its logprobs) is answered."""
+        return self.max_tokens == 0
+
+    def limit(self) -> int | None:
+        return 1 if self.max_tokens == 0 else self.max_tokens  # echo only: one is dropped
+
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported"
         if self.suffix:
             return "suffix", "suffix (fill-in-the-middle) is not supported"
         if self.best_of not in (None, 1):
             return "best_of", f"best_of must be 1, got {self.best_of}"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens: 0 generates nothing; it needs echo true"
+        n = self.n or 1
+        if self.echo and self.stream and self.logprobs is not None and n > 1:
+            return "n", (
+                "n: a streamed echo with logprobs answers one choice per prompt (n 1); "
+                "send stream false for n > 1"
+            )
+        count = len(self.prompts())
+        if 1 <= n <= MAX_CHOICES and count * n > MAX_PROMPT_CHOICES:
+            return "prompt", (
+                f"prompt: {count} prompts times n = {n} make {count * n} choices; at most "
+                f"{MAX_PROMPT_CHOICES} per request"
+            )
         return super().unsupported()
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a completion prompt, or chat messages through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+    add_special_tokens: bool = True  # completions' way (the only one this server encodes)
+    add_generation_prompt: bool = True  # chat's way (the only one this server renders)
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
