@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import heapq
+import logging
 import queue
 import threading
 import time
@@ -12,9 +13,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.generation_params import GenerationParams
-from coordinator.service.job_store import JobStore, decode_request, encode_request
+from coordinator.service.job_store import (
+    JobStore,
+    decode_request,
+    decode_result,
+    encode_request,
+)
 from coordinator.service.messages import Final, JobEvent, RequestResult, Tokens
 
+log = logging.getLogger(__name__)
 TERMINAL = ("done", "cancelled", "failed")
 
 
@@ -30,6 +37,7 @@ class Job:
     result: RequestResult | None = None
     seq_id: int | None = None
     deadline: float | None = None  # wall-clock time after which the job is cancelled
+    restored: bool = False  # read from the store: accepted before this process started
     on_finish: Callable[[Job], None] | None = field(default=None, repr=False)
     _listeners: list[Callable[[JobEvent], None]] = field(default_factory=list, repr=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, repr=False)
@@ -77,7 +85,10 @@ class Job:
             self.state = state
             self.result = result
             for put in self._listeners:
-                put(Final(result))
+                try:
+                    put(Final(result))
+                except Exception as e:  # one gone client must not keep the others waiting
+                    log.warning("job %s: a listener refused its final result: %r", self.job_id, e)
             self._listeners.clear()
             self._cond.notify_all()
         if self.on_finish is not None:
@@ -100,27 +111,61 @@ class JobRegistry:
             self.store.accepted(
                 job.job_id, job.created_at, encode_request(job.prompt, job.params, job.deadline)
             )
-            job.on_finish = lambda j: self.store.finished(j.job_id, j.state, j.result)
+            job.on_finish = self._record
+
+    def _record(self, job: Job) -> None:
+        self.store.finished(job.job_id, job.state, job.result)
 
     def restore(self) -> list[Job]:
-        """Jobs from the store: finished ones become retrievable again, unfinished ones are
-        returned to be run (from the start: a restart lost their progress, not the job)."""
+        """This model's jobs from the store: finished ones become retrievable again,
+        unfinished ones are returned to be run (from the start: a restart lost their
+        progress, not the job). A row that cannot be read fails, with the reason, instead
+        of being lost; other models' jobs stay in the store for their coordinators."""
         if self.store is None:
             return []
         pending = []
         for row in self.store.load():
-            prompt, params, deadline = decode_request(row["request"])
-            job = Job(row["job_id"], prompt, params, created_at=row["created_at"])
-            job.deadline = deadline
-            if row["result"] is not None:
-                job.state, job.result = row["state"], row["result"]
-                job.tokens = list(row["result"].tokens)
-            else:
-                job.on_finish = lambda j: self.store.finished(j.job_id, j.state, j.result)
+            job = self._restored(row)
+            if not job.finished:
                 pending.append(job)
             with self._lock:
                 self._jobs[job.job_id] = job
+        self._log_others()
         return pending
+
+    def _restored(self, row: dict) -> Job:
+        job_id, created_at = row["job_id"], row["created_at"]
+        try:
+            prompt, params, deadline = decode_request(row["request"])
+            result = decode_result(row["result"]) if row["result"] is not None else None
+        except Exception as e:  # whatever is wrong with the row, this job cannot run
+            job = Job(job_id, [], GenerationParams(), created_at=created_at, restored=True)
+            job.on_finish = self._record
+            message = (
+                f"job {job_id} was kept in the job store ({self.store.path}) but cannot be "
+                f"read back ({type(e).__name__}: {e}); it was not run"
+            )
+            log.error("%s", message)
+            job.finish("failed", RequestResult(finish_reason="error", error=message))
+            return job
+        job = Job(job_id, prompt, params, created_at=created_at, restored=True)
+        job.deadline = deadline
+        if result is not None:
+            job.state, job.result, job.tokens = row["state"], result, list(result.tokens)
+        else:
+            job.on_finish = self._record
+        return job
+
+    def _log_others(self) -> None:
+        others = self.store.others()
+        if others:
+            log.info(
+                "job store: %d unfinished jobs of other models are kept for their "
+                "coordinators (not run here): %s",
+                sum(o.jobs for o in others),
+                ", ".join(f"{o.jobs} of {o.name or 'an unnamed model'} (model {o.identity})"
+                          for o in others),
+            )  # fmt: skip
 
     def create(self, prompt: list[int], params: GenerationParams, deadline_s: float = 0.0) -> Job:
         job = Job(uuid.uuid4().hex, prompt, params)
