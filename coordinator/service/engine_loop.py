@@ -1,6 +1,11 @@
 """The thread that owns MLX in the coordinator: it takes new jobs and cancellations from a
 queue, ticks the engine, publishes each tick's commits to the jobs, and keeps the metrics.
-Its last act is `release_mlx_thread`, and CoordinatorServer.stop joins it."""
+Its last act is `release_mlx_thread`, and CoordinatorServer.stop joins it.
+
+An unexpected error fails the requests it touched (one request's, when it came from that
+request's work; else those running), is logged with its traceback, and the thread goes on
+serving the others. Only when it cannot go on (errors in a row, or its own error handling
+failing) does it end (`dead`): every open request fails, and the process exits (server_cli)."""
 
 from __future__ import annotations
 
@@ -12,8 +17,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Protocol
 
-from common.errors import WedlmError, is_out_of_memory
+from common.errors import InvalidRequest, WedlmError, is_out_of_memory
 from common.mlx_thread_exit import release_mlx_thread
 from common.tokenizer import TextStream, Tokenizer
 from coordinator.engine.engine import Engine
@@ -24,12 +30,14 @@ from coordinator.engine.sequence import Phase, Sequence
 from coordinator.service.fault_hooks import (
     ENGINE_CRASH_FAULT,
     OUT_OF_MEMORY_FAULT,
+    REQUEST_ERROR_FAULT,
     FaultFile,
     InjectedFault,
     fail_next_collect,
+    parse_fault,
 )
 from coordinator.service.jobs import Job
-from coordinator.service.messages import Cancel, Inbox, Stop, Submit, Wake
+from coordinator.service.messages import Cancel, Inbox, RequestResult, Stop, Submit, Wake
 from coordinator.service.metrics import Metrics
 from coordinator.service.results import (
     ENGINE_STOPPED,
@@ -54,6 +62,19 @@ MAX_FAILED_RECOVERIES = 3  # recoveries in a row whose next forward fails again
 # After a forward ran out of memory, the KV admission budget is at most this share of the
 # KV the running sequences could need: fewer run at once, and each repeat shrinks it more.
 OOM_BUDGET_SHARE = 0.75
+MAX_LOOP_ERRORS = 3  # unexpected errors with no clean pass between: the engine is broken
+
+
+class IdleWork(Protocol):
+    """Work the engine thread does a step at a time while it has nothing else to do."""
+
+    def due(self) -> bool: ...  # a step should run now
+
+    def step(self) -> None: ...  # one short step (a request waits for it at most)
+
+
+class EngineBroken(RuntimeError):
+    """The engine thread cannot go on: it ends, failing every open request."""
 
 
 class EngineLoop(threading.Thread):
@@ -65,8 +86,10 @@ class EngineLoop(threading.Thread):
         recover: Callable[[Exception | None], tuple[Pipeline, int] | None] | None = None,
         on_replan: Callable[[], None] | None = None,
         measure_kv_budget: Callable[[], int | None] | None = None,
+        idle_work: IdleWork | None = None,
     ):
         super().__init__(name="engine", daemon=True)
+        self.idle_work = idle_work  # run a step at a time while idle (startup_costs.py)
         self.recover = recover  # blocks until a new pipeline is ready (or gives up)
         self.on_replan = on_replan  # runs on the new pipeline before sequences resume
         self.measure_kv_budget = measure_kv_budget  # KV tokens the stages' free memory holds
@@ -90,6 +113,7 @@ class EngineLoop(threading.Thread):
         self.last_progress = time.monotonic()
         self._cache_seen = CacheStats()  # prefix-cache counts already exported
         self._failures = 0  # forwards failed since the last tick that worked
+        self._request_fault: str | None = None  # a job id whose next delivery fails (tests)
 
     # ---- called from gRPC threads --------------------------------------------------
     def submit(self, job: Job, choices: tuple[Job, ...] = ()) -> None:
@@ -152,26 +176,77 @@ class EngineLoop(threading.Thread):
             self._finish(live.seq, "failed", message, ENGINE_STOPPED)
 
     def _serve(self) -> None:
+        errors = 0  # unexpected errors since the last pass that went through
         while not self._stopping.is_set():
-            if self._budget_shrunk and not self.engine.has_work:
-                self._measure_budget_again()
-            self._drain(block=not self.engine.has_work)
-            if self._stopping.is_set():
-                break
-            if self._replan is not None:
-                reason, self._replan = self._replan, None
-                self._last_replan = reason
-                log.warning("re-planning: %s", reason)
-                if not self._recover(None):
-                    self._fail_running(WedlmError(f"re-planning failed ({reason})"))
-            self._expire()
-            if self.engine.has_work:
-                self._tick()
-            elif (broken := getattr(self.engine.pipeline, "broken", None)) is not None:
-                # idle, and the heartbeat found a stage gone: re-plan now, not at the next
-                # request (status and the console show the new plan within seconds)
-                log.warning("re-planning while idle: %s", broken)
-                self._recover(broken)
+            try:
+                self._pass()
+            except EngineBroken:
+                raise
+            except Exception as e:  # a bug: fail what it touched, serve the others
+                errors += 1
+                log.error("the engine thread hit an unexpected error (%d in a row): %s",
+                          errors, e, exc_info=e)  # fmt: skip
+                if errors >= MAX_LOOP_ERRORS:
+                    raise EngineBroken(
+                        f"{errors} unexpected errors in a row, the last {type(e).__name__}: {e}"
+                    ) from e
+                self._fail_touched(e)
+            else:
+                errors = 0
+
+    def _pass(self) -> None:
+        """Take what the inbox holds, then tick once (or, idle, re-plan if a stage is gone)."""
+        if self._budget_shrunk and not self.engine.has_work:
+            self._measure_budget_again()
+        idle = self.idle_work is not None and not self.engine.has_work and self.idle_work.due()
+        self._drain(block=not self.engine.has_work and not idle)
+        if self._stopping.is_set():
+            return
+        if self._replan is not None:
+            reason, self._replan = self._replan, None
+            self._last_replan = reason
+            log.warning("re-planning: %s", reason)
+            if not self._recover(None):
+                self._fail_running(WedlmError(f"re-planning failed ({reason})"))
+        self._expire()
+        if self.engine.has_work:
+            self._tick()
+        elif (broken := getattr(self.engine.pipeline, "broken", None)) is not None:
+            # idle, and the heartbeat found a stage gone: re-plan now, not at the next
+            # request (status and the console show the new plan within seconds)
+            log.warning("re-planning while idle: %s", broken)
+            self._recover(broken)
+        elif idle and not self._replan:
+            self.idle_work.step()
+
+    def _fail_touched(self, error: Exception) -> None:
+        """After an unexpected error outside one request's work: the requests running may
+        be what it broke, so they fail (cancelled in the engine, their KV released as
+        after a cancellation); those still waiting were not touched and stay queued."""
+        touched = [live for live in self._live.values() if live.seq.phase is not Phase.WAITING]
+        message = (
+            f"the coordinator's engine failed this request: {type(error).__name__}: {error} "
+            f"(it goes on serving other requests)"
+        )
+        try:
+            for live in touched:
+                self.engine.cancel(live.seq, "error")
+        except Exception as e:  # the engine cannot even cancel: it cannot go on
+            raise EngineBroken(f"cannot cancel requests after {error!r}: {e!r}") from e
+        for live in touched:
+            self._finish(live.seq, "failed", message)
+
+    def _fail_request(self, live: _Live, error: Exception, doing: str) -> None:
+        """One request's own work raised: that request fails, the others go on."""
+        log.error("request %s failed while %s: %s", live.job.job_id, doing, error,
+                  exc_info=error)  # fmt: skip
+        self.engine.cancel(live.seq, "error")
+        self._finish(
+            live.seq,
+            "failed",
+            f"the coordinator failed this request while {doing}: {type(error).__name__}: "
+            f"{error} (it goes on serving other requests)",
+        )
 
     def _drain(self, block: bool) -> None:
         try:
@@ -205,9 +280,27 @@ class EngineLoop(threading.Thread):
         except QueueFull as e:  # a backstop: the servicer checks the limits first
             job.finish("failed", error_record(len(job.prompt), str(e)))
             return None
+        except InvalidRequest as e:  # the servicer checks new requests: a stored job
+            job.finish("failed", error_record(len(job.prompt), self._cannot_run(job, e)))
+            return None
+        except Exception as e:  # a bug in this request's setup: it alone fails
+            log.error("job %s could not start: %s", job.job_id, e, exc_info=e)
+            message = f"the coordinator could not start this request: {type(e).__name__}: {e}"
+            job.finish("failed", error_record(len(job.prompt), message))
+            return None
         job.seq_id = seq.seq_id
         self._live[seq.seq_id] = _Live(job, seq, self.tokenizer.detokenizer())
         return seq
+
+    def _cannot_run(self, job: Job, error: InvalidRequest) -> str:
+        if not job.restored:
+            return str(error)
+        message = (
+            f"job {job.job_id} was accepted before this coordinator started and cannot run "
+            f"on its model (identity {self.engine.config.identity}): {error}"
+        )
+        log.error("%s", message)
+        return message
 
     def _expire(self) -> None:
         now = time.time()
@@ -221,9 +314,11 @@ class EngineLoop(threading.Thread):
         self._finish(live.seq, state)
 
     def _tick(self) -> None:
-        fault = self.faults.take() if self.faults is not None else None
+        fault, argument = parse_fault(self.faults.take() if self.faults is not None else None)
         if fault == ENGINE_CRASH_FAULT:
-            raise InjectedFault("injected engine crash")
+            raise EngineBroken("injected engine crash")
+        if fault == REQUEST_ERROR_FAULT:
+            self._request_fault = argument
         if fault == OUT_OF_MEMORY_FAULT:
             error = InjectedFault("[metal::malloc] out of memory (injected)")
             fail_next_collect(self.engine.pipeline, error)
@@ -325,15 +420,26 @@ class EngineLoop(threading.Thread):
             live = self._live.get(commit.seq.seq_id)
             if live is None:
                 continue
-            if commit.tokens:
-                self._observe_tokens(live, len(commit.tokens), now)
-                text = live.stream.add(commit.tokens)
-                live.job.publish(commit.tokens, text, commit.logprobs)
+            try:
+                self._deliver_one(live, commit, now)
+            except Exception as e:  # this request's text or listeners: it alone fails
+                finished.pop(commit.seq.seq_id, None)
+                self._fail_request(live, e, "delivering its tokens")
+                continue
             if commit.seq.finished:
                 finished[commit.seq.seq_id] = commit.seq
         for seq in finished.values():
             self._finish(seq, "done")
         self._mark_started(now)
+
+    def _deliver_one(self, live: _Live, commit, now: float) -> None:
+        if self._request_fault is not None and live.job.job_id == self._request_fault:
+            self._request_fault = None
+            raise InjectedFault(f"injected error in request {live.job.job_id}")
+        if commit.tokens:
+            self._observe_tokens(live, len(commit.tokens), now)
+            text = live.stream.add(commit.tokens)
+            live.job.publish(commit.tokens, text, commit.logprobs)
 
     def _recover(self, error: Exception | None) -> bool:
         """Re-plan over the workers that are left (or wait for one), then rebuild every
@@ -398,9 +504,22 @@ class EngineLoop(threading.Thread):
             self._cache_seen = replace(now)
 
     def _finish(self, seq: Sequence, state: str, error: str = "", error_kind: str = "") -> None:
+        """End the request's job, whatever fails on the way: its client must hear."""
         live = self._live.pop(seq.seq_id, None)
         if live is None:
             return
+        try:
+            record = self._final_record(live, seq, state, error, error_kind)
+        except Exception as e:  # its text or metrics: the job still ends, with why
+            log.error("request %s: its result could not be made: %s", live.job.job_id, e,
+                      exc_info=e)  # fmt: skip
+            why = f"the coordinator could not make this request's result: {type(e).__name__}: {e}"
+            state, record = "failed", error_record(len(seq.prompt), error or why, error_kind)
+        live.job.finish(state, record)
+
+    def _final_record(
+        self, live: _Live, seq: Sequence, state: str, error: str, error_kind: str
+    ) -> RequestResult:
         tail = live.stream.finish()  # text the streaming detokenizer held back
         if tail:
             live.job.publish([], tail)
@@ -424,4 +543,4 @@ class EngineLoop(threading.Thread):
             m.steps_per_canvas.observe(seq.forwards / seq.canvases)
         if len(seq.output) > 1 and seq.decode_s:
             m.tpot.observe(seq.decode_s / (len(seq.output) - 1))
-        live.job.finish(state, record)
+        return record

@@ -4,7 +4,10 @@ written beside it, then renamed); the engine thread takes it (and removes the fi
 next tick:
 - "out-of-memory": the next forward's result is lost to an out-of-memory error, raised
   where a real one surfaces (the pipeline's collect), with its forwards in flight;
-- "engine-crash": the engine thread ends with an unexpected error, as a bug would end it.
+- "engine-crash": the engine thread cannot go on (as when its own state is broken): it
+  ends, every open request fails, and the process exits non-zero;
+- "request-error JOB_ID": the next delivery of that job's tokens raises, as a bug in one
+  request's work would: that request fails, the others go on.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 FAULT_ENV = "WEDLM_FAULT_FILE"
 OUT_OF_MEMORY_FAULT = "out-of-memory"
 ENGINE_CRASH_FAULT = "engine-crash"
+REQUEST_ERROR_FAULT = "request-error"
 
 
 class InjectedFault(RuntimeError):
@@ -53,3 +57,12 @@ def fail_next_collect(pipeline, error: Exception) -> None:
         raise error
 
     pipeline.collect = failing
+
+
+def parse_fault(text: str | None) -> tuple[str | None, str]:
+    """A fault's name and its argument ("" when it takes none): "request-error abc" ->
+    ("request-error", "abc")."""
+    if text is None:
+        return None, ""
+    name, _, argument = text.partition(" ")
+    return name, argument.strip()

@@ -47,9 +47,10 @@ from coordinator.engine.constrained import Grammars
 from coordinator.engine.engine import Limits
 from coordinator.engine.engine_for import check_draft_model, engine_for
 from coordinator.engine.local_layers import LocalLayers
+from coordinator.engine.measured_costs import CostKey, MeasuredCosts
 from coordinator.engine.pipeline import StagePipeline
 from coordinator.engine.prefix_cache import PrefixCache
-from coordinator.engine.warmup import price_drafts, warm_up
+from coordinator.engine.warmup import warm_up
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.http_server import HttpServer
 from coordinator.model_source.fetch_progress import FetchProgress
@@ -65,6 +66,7 @@ from coordinator.service.running_limit import AUTO_MAX_RUNNING, auto_max_running
 from coordinator.service.serve_settings import ServeSettings
 from coordinator.service.servicer import CoordinatorServicer
 from coordinator.service.stage_planner import PlanSettings, StagePlanner
+from coordinator.service.startup_costs import StartupCosts
 
 log = logging.getLogger(__name__)
 MODEL_SOURCE = "/wedlm.v1.ModelSource/"
@@ -129,6 +131,7 @@ class ServeOptions:
     default_max_tokens: int = _SETTINGS.default_max_tokens  # HTTP requests that name no limit
     max_request_bytes: int | None = None  # a client request's bytes (None: from the context)
     cors_origins: tuple[str, ...] = ()  # browser origins the HTTP API answers (CORS)
+    cost_cache: Path | None = None  # the measured step costs' file (None: the cache folder)
 
 
 class _NotReady:
@@ -173,8 +176,12 @@ class CoordinatorServer:
         if opts.metrics_port is not None:
             self.metrics_port = self.metrics.serve(opts.metrics_port, opts.host)
         store = None
-        if opts.state_dir is not None:
-            store = JobStore(Path(opts.state_dir).expanduser() / f"jobs-{opts.cluster}.sqlite")
+        if opts.state_dir is not None:  # one store per cluster; each model reads its own jobs
+            store = JobStore(
+                Path(opts.state_dir).expanduser() / f"jobs-{opts.cluster}.sqlite",
+                self.config.identity,
+                opts.served_model_name or opts.model.name,
+            )
         self.jobs = JobRegistry(keep_finished=opts.keep_finished, store=store)
         self.loop: EngineLoop | None = None
         self.state = "waiting-for-workers"
@@ -188,6 +195,7 @@ class CoordinatorServer:
         self.failed: str | None = None
         self.heartbeat: Heartbeat | None = None
         self.recovery_problem = ""
+        self.lost_at: dict[str, float] = {}  # worker address -> when it was found gone
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []  # the planner's and watchers: joined at stop
         self.model_name = opts.served_model_name or opts.model.name
@@ -244,6 +252,9 @@ class CoordinatorServer:
         self.http: HttpServer | None = None
         # this machine, for the console (read here, on the thread that owns MLX for now)
         self.device = host_info.device_description()
+        # the step costs (startup_costs.py), kept for the next start in the cache folder
+        store = MeasuredCosts(opts.cost_cache)
+        self.costs = StartupCosts(self.engine, self._cost_key, self._cost_rows, store)
         self.memory_total = host_info.memory()[0]
         if opts.http_port is not None:
             backend = ApiBackend(
@@ -315,7 +326,6 @@ class CoordinatorServer:
             pipeline, micro_batches = self._first_plan()
             self.engine.use_pipeline(pipeline, micro_batches)
             self._set_kv_budget()
-            self.state = "warming-up"
             self._warm_up_or_replan()
             if self._stopping.is_set():  # stop() came during the plan: start no engine thread
                 raise WedlmError("stopped while planning")
@@ -326,9 +336,12 @@ class CoordinatorServer:
                 self.recover,
                 on_replan=self._resume,
                 measure_kv_budget=self.measure_kv_budget,
+                idle_work=self.costs if self.opts.warm_up != "off" else None,
             )
             self.loop.start()
-            for job in self.jobs.restore():  # accepted before a restart: run them now
+            # this model's jobs accepted before a restart: run them now (one that cannot
+            # run on this model fails with why; other models' jobs stay in the store)
+            for job in self.jobs.restore():
                 self.loop.submit(job)
             self.heartbeat = Heartbeat(self._current_pipeline)
             self.heartbeat.start()
@@ -337,8 +350,8 @@ class CoordinatorServer:
             self._start_thread(self._watch_members, "members")
         except Exception as e:  # whatever it was, say so: never "serve" without a pipeline
             self.failed = str(e) or type(e).__name__
-            self.state = "failed"
-            log.error("%s", self.failed)
+            stopped, self.state = self._stopping.is_set(), "failed"
+            log.log(logging.INFO if stopped else logging.ERROR, "%s", self.failed)
         finally:
             release_mlx_thread()
             self.ready.set()
@@ -371,29 +384,64 @@ class CoordinatorServer:
         raise WedlmError("stopped while waiting for workers")
 
     def warm_up(self) -> None:
-        """Run the bounded shape set once before readiness, so that the first users do
-        not pay for MLX's kernel compilation (on the thread that owns MLX: the planner
-        before serving, the engine thread after a re-plan)."""
+        """Before readiness, on the thread that owns MLX (the planner; the engine thread
+        after a re-plan): run the bounded shape set once, so that the first users do not
+        pay for MLX's kernel compilation (GPUs; MLX's CPU backend compiles nothing per
+        shape), then the step costs that must be known before the first request
+        (startup_costs.py: reused when measured before, else only what mode auto needs;
+        the rest is measured while the engine is idle)."""
         mode = self.opts.warm_up
-        if mode == "off":
-            return
-        if mode == "auto" and mx.default_device() == mx.cpu:
-            # MLX's CPU backend compiles nothing per shape: nothing to gain there, but a
-            # pipeline of stages cannot price speculative drafts online (warmup.py)
-            if not self.config.diffusion:
-                price_drafts(self.engine, max_rows=self.max_running)
-            return
-        if self.config.diffusion:
-            from coordinator.engine.diffusion.warmup import warm_up_diffusion
+        if mode == "on" or (mode == "auto" and mx.default_device() != mx.cpu):
+            self.state = "warming-up"
+            if self.config.diffusion:
+                from coordinator.engine.diffusion.warmup import warm_up_diffusion
 
-            report = warm_up_diffusion(self.engine, max_rows=self.max_running)
-        else:
-            report = warm_up(self.engine, max_rows=self.max_running)
-        self.metrics.forward_shapes.set(self.engine.shapes.count)
-        log.info(
-            "warmed %d shapes in %.1f s (%d forwards)",
-            report.shapes, report.seconds, report.forwards,
-        )  # fmt: skip
+                report = warm_up_diffusion(self.engine, max_rows=self.max_running)
+            else:
+                log.info("warming up: running each first forward shape once (compiling it)")
+                report = warm_up(self.engine, max_rows=self.max_running, timing=False)
+            self.metrics.forward_shapes.set(self.engine.shapes.count)
+            log.info(
+                "warmed %d shapes in %.1f s (%d forwards)",
+                report.shapes, report.seconds, report.forwards,
+            )  # fmt: skip
+        if mode != "off" and not self.config.diffusion:
+            self.state = "measuring"
+            self.costs.prepare()
+
+    def _cost_key(self) -> CostKey:
+        """What the measured step cost depends on (measured_costs.py)."""
+        stages = [f"{len(self.local.layer_range)} layers here"] if self._local_stage() else []
+        stages += [
+            f"{len(e.layers)} layers on {e.info.device if e.info is not None else '?'}"
+            for e in self.entries
+            if e.stage
+        ]
+        group = self.local.group if self.local is not None else None
+        if group is not None:
+            stages.append(f"a tensor group of {group.size}")
+        return CostKey(
+            model=self.config.identity,
+            device=self.device,
+            stages=tuple(stages),
+            micro_batches=self.engine.micro_batches,
+            kv=self.opts.kv.label(),
+        )
+
+    def _local_stage(self) -> bool:
+        return self.local is not None and self.local.layer_range is not None
+
+    def _cost_rows(self) -> list[int]:
+        """The row buckets measured in the background: a decode group's where several
+        micro-batches overlap (no forward's own time is seen online), every bucket where
+        the warm-up ran (GPUs), none otherwise (the engine refines its figures online)."""
+        if self.engine.micro_batches > 1:
+            group = -(-self.max_running // self.engine.micro_batches)
+            return list(range(1, group + 1))
+        warmed = self.opts.warm_up == "on" or (
+            self.opts.warm_up == "auto" and mx.default_device() != mx.cpu
+        )
+        return list(range(1, self.max_running + 1)) if warmed else []
 
     def _warm_up_or_replan(self) -> None:
         """Warm up; a stage lost during it (a worker, a tensor group's process) is lost as
@@ -410,7 +458,9 @@ class CoordinatorServer:
     def _resume(self) -> None:
         """After a re-plan, on the engine thread: serve. No warm-up here: it would hold
         every request for its length, and a recovery that fails inside it (out of memory
-        again) must not stop the engine; new shapes compile as they come."""
+        again) must not stop the engine; new shapes compile as they come. The step cost
+        is measured again while idle, unless this pipeline's was measured before."""
+        self.costs.replanned()
         self.state = "serving"
 
     def _watch_members(self, period_s: float = 2.0) -> None:
@@ -511,6 +561,8 @@ class CoordinatorServer:
         a worker that joined): re-plan over the workers that answer now, retrying until
         one plan works (a fixed range may need its worker back)."""
         self.state = "recovering"
+        if address := getattr(error, "address", ""):  # the console's "lost N s ago"
+            self.lost_at[address] = time.time()
         old = self.engine.pipeline
         if isinstance(old, StagePipeline):
             old.close()
@@ -574,7 +626,8 @@ class CoordinatorServer:
     def console_extras(self) -> dict:
         """What the console shows beside cluster_status (from the HTTP thread; no MLX):
         this machine, each stage's last timings, the memory its heartbeat last reported,
-        the stage the heartbeat found gone (before the re-plan), and the re-plans."""
+        the stage the heartbeat found gone (before the re-plan), when each lost worker was
+        found gone, and the re-plans."""
         timings, memory = {}, {}
         for e in self.entries:
             link = e.link
@@ -597,6 +650,7 @@ class CoordinatorServer:
             "timings": timings,
             "memory": memory,
             "lost": getattr(broken, "address", "") if broken is not None else "",
+            "lost_at": dict(self.lost_at),
             "recoveries": list(self.loop.recovery_log) if self.loop is not None else [],
         }
 
@@ -626,15 +680,18 @@ class CoordinatorServer:
         if self.state == "recovering":
             return self.recovery_problem
         if self.state == "warming-up":
-            return "the warm-up: compiling the first shapes, pricing speculative drafts"
+            return "the warm-up: running each first forward shape once (compiling it)"
+        if self.state == "measuring":
+            return "measuring what a forward of several rows costs here (for mode auto)"
         listed = self.planner.waiting_for() if self.planner is not None else ""
         return f"listed workers not in the plan: {listed}" if listed else ""
 
-    def stop(self, grace: float = 2.0) -> None:
-        """Stop serving, then end every thread this server started and wait for them: none
-        may still run MLX or gRPC calls when the interpreter shuts down (see
-        release_mlx_thread). The job store is closed last, after the engine thread's final
-        records."""
+    def stop(self, grace: float = 2.0, wait_s: float = STOP_TIMEOUT_S) -> bool:
+        """Stop serving, then end every thread this server started and wait for them (each
+        up to `wait_s`): none may still run MLX or gRPC calls when the interpreter shuts
+        down (see release_mlx_thread). The job store is closed last, after the engine
+        thread's final records. Returns whether every thread ended (if not, the process
+        must leave without the interpreter's shutdown: server_cli)."""
         self._stopping.set()
         if self.heartbeat is not None:
             self.heartbeat.stop()
@@ -643,14 +700,18 @@ class CoordinatorServer:
             self.http.stop()
         self.server.stop(grace).wait()
         for thread in self._threads:  # the planner first: it may still start the engine
-            thread.join(STOP_TIMEOUT_S)
+            thread.join(wait_s)
         for thread in (self.loop, self.heartbeat):  # whichever the planner started
             if thread is not None:
                 thread.stop()
-                thread.join(STOP_TIMEOUT_S)
-        for thread in [*self._threads, self.loop, self.heartbeat]:
-            if thread is not None and thread.is_alive():
-                log.error("the %s thread did not stop within %g s", thread.name, STOP_TIMEOUT_S)
+                thread.join(wait_s)
+        left = [t for t in (*self._threads, self.loop, self.heartbeat) if t and t.is_alive()]
+        for thread in left:
+            log.error("the %s thread did not stop within %g s", thread.name, wait_s)
+        if left:  # it may still run MLX on the pipeline: leave it whole, the process exits
+            if self.jobs.store is not None:
+                self.jobs.store.close()
+            return False
         if self.browser is not None:
             self.browser.close()
         pipeline = self.engine.pipeline
@@ -660,3 +721,4 @@ class CoordinatorServer:
             self.local.group.close()  # its group ends with a word to every member
         if self.jobs.store is not None:
             self.jobs.store.close()
+        return True

@@ -21,6 +21,44 @@ from coordinator.service.serve_config import serve_knobs
 __all__ = ["apply_config", "build_parser", "main", "serve_options"]
 
 SIGNAL_POLL_S = 0.05  # how soon SIGTERM/SIGINT starts the drain
+STARTING_STOP_S = 3.0  # a stop while starting waits this long for the planner's thread
+DEATH_LINGER_S = 10.0  # after the engine died: health and clients say why, then exit 1
+
+
+class StopRequested(BaseException):
+    """SIGTERM or SIGINT while the server is being built (a BaseException, as
+    KeyboardInterrupt: no `except Exception` on the way may swallow it)."""
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, recorded. While `raising` (loading the model: plain code on the
+    main thread that checks nothing), the handler also raises StopRequested. Else it only
+    appends (no lock): an Event's set() would take the lock of the Event.wait that the
+    signal interrupts on this same thread, and hang for good."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.raising = True
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.received.append(signum)
+        if self.raising:
+            raise StopRequested(signum)
+
+    def name(self) -> str:
+        return signal.Signals(self.received[0]).name if self.received else ""
+
+
+def leave_now(code: int) -> None:
+    """Exit without the interpreter's shutdown: a thread still runs MLX (the warm-up, say),
+    whose per-thread state would abort the process as the interpreter finalizes (see
+    release_mlx_thread). Nothing is lost: accepted jobs are committed when accepted."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def _number(kind: type, k: Knob):
@@ -133,6 +171,77 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0: drained when serving, at once while starting)
+    or until the engine cannot go on (exit 1)."""
+    signals = StopSignals()
+    server = None
+    try:
+        server = _build_server(args)
+        signals.raising = False
+    except StopRequested:
+        signals.raising = False
+        print(f"wedlm-coordinator stopped while loading the model ({signals.name()})", flush=True)
+        if server is not None and not server.stop(0, STARTING_STOP_S):
+            leave_now(0)
+        return 0
+    server.start()
+    print(f"wedlm-coordinator listening on {args.host}:{server.port}", flush=True)
+    if server.http is not None:
+        print(f"wedlm-coordinator HTTP API on http://{args.host}:{server.http.port}/v1", flush=True)
+        print(f"wedlm-coordinator console on http://{args.host}:{server.http.port}/", flush=True)
+    if server.metrics_port is not None:
+        print(
+            f"wedlm-coordinator metrics on http://{args.host}:{server.metrics_port}/metrics",
+            flush=True,
+        )
+    while not server.ready.wait(SIGNAL_POLL_S) and not signals.received:
+        pass
+    if signals.received and (not server.ready.is_set() or server.failed):
+        return _stop_starting(server, signals)
+    if server.failed:
+        server.stop(0)
+        raise WedlmError(server.failed)
+    print(f"wedlm-coordinator serving {server.model_name}: {server.layout()}", flush=True)
+    while not signals.received and server.alive():
+        time.sleep(SIGNAL_POLL_S)
+    if not server.alive():
+        return _engine_died(server, signals)
+    cancelled = server.drain(args.drain_timeout)
+    print(f"wedlm-coordinator drained ({cancelled} unfinished jobs cancelled)", flush=True)
+    if not server.stop():  # a thread still runs (said in the log): leave without it
+        leave_now(0)
+    return 0
+
+
+def _stop_starting(server, signals: StopSignals) -> int:
+    """A stop before serving: nothing was accepted yet, nothing to drain."""
+    print(f"wedlm-coordinator stopping while {server.state} ({signals.name()})", flush=True)
+    if not server.stop(0, STARTING_STOP_S):
+        print("wedlm-coordinator stopped (without waiting for the planner's thread)", flush=True)
+        leave_now(0)
+    print("wedlm-coordinator stopped", flush=True)
+    return 0
+
+
+def _engine_died(server, signals: StopSignals) -> int:
+    """The engine thread ended for good: every open request has failed. Readiness and
+    liveness say so for a few seconds (probes and clients see why), then the process
+    exits non-zero for its supervisor to start it again."""
+    print(
+        f"wedlm-coordinator: error: {server.loop.dead}: the engine cannot go on; exiting in "
+        f"{DEATH_LINGER_S:g} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    deadline = time.monotonic() + DEATH_LINGER_S
+    while not signals.received and time.monotonic() < deadline:
+        time.sleep(SIGNAL_POLL_S)
+    if not server.stop(0, STARTING_STOP_S):
+        leave_now(1)
+    return 1
+
+
+def _build_server(args: argparse.Namespace):
     from coordinator.engine.local_engine import resolve_model
     from coordinator.model_source.hub_model import looks_like_repo_id
     from coordinator.service.server import CoordinatorServer
@@ -147,32 +256,7 @@ def serve(args: argparse.Namespace) -> int:
         bonjour=args.bonjour,
         state_dir=state_dir(args.state_dir),
     )
-    server = CoordinatorServer(opts)
-    server.start()
-    print(f"wedlm-coordinator listening on {args.host}:{server.port}", flush=True)
-    if server.http is not None:
-        print(f"wedlm-coordinator HTTP API on http://{args.host}:{server.http.port}/v1", flush=True)
-    if server.metrics_port is not None:
-        print(
-            f"wedlm-coordinator metrics on http://{args.host}:{server.metrics_port}/metrics",
-            flush=True,
-        )
-    # The handlers only append (no lock): an Event's set() would take the lock of the
-    # Event.wait that the signal interrupts on this same thread, and hang for good.
-    signalled: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: signalled.append(signum))
-    server.ready.wait()
-    if server.failed:
-        server.stop(0)
-        raise WedlmError(server.failed)
-    print(f"wedlm-coordinator serving {server.model_name}: {server.layout()}", flush=True)
-    while not signalled:
-        time.sleep(SIGNAL_POLL_S)
-    cancelled = server.drain(args.drain_timeout)
-    print(f"wedlm-coordinator drained ({cancelled} unfinished jobs cancelled)", flush=True)
-    server.stop()
-    return 0
+    return CoordinatorServer(opts)
 
 
 def add_generate_command(sub) -> None:
