@@ -21,12 +21,62 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 PROG = "wedlm-worker"
 SIGNAL_POLL_S = 0.1  # how soon SIGTERM/SIGINT starts the shutdown
+STOP_WAIT_S = 3.0  # for the MLX thread's work in progress (loading layers), at stop
+EXIT_WAIT_S = 3.0  # for the interpreter's own exit, after a stop (see _exit_watchdog)
 log = logging.getLogger(PROG)
+
+
+class StopRequested(BaseException):
+    """SIGTERM or SIGINT while the worker is being built (loading its layers)."""
+
+
+class StopSignals:
+    """SIGTERM and SIGINT, recorded. While `raising` (building the worker: the main thread
+    waits on the MLX thread's load and checks nothing), the handler also raises
+    StopRequested. Else it only appends (no lock): an Event's set() would take the lock of
+    the Event.wait that the signal interrupts on this same thread, and hang for good."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.raising = True
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.received.append(signum)
+        if self.raising:
+            raise StopRequested(signum)
+
+
+def _exit_watchdog(code: int) -> int:
+    """Returns `code`, having armed a daemon thread that ends the process with it if the
+    interpreter's exit takes longer than EXIT_WAIT_S: that exit joins the gRPC handlers'
+    threads, and one may still be fetching layers (its call was cancelled, its fetch goes
+    on until its layer file is whole)."""
+
+    def leave() -> None:
+        time.sleep(EXIT_WAIT_S)
+        _leave_now(code)
+
+    threading.Thread(target=leave, name="exit-watchdog", daemon=True).start()
+    return code
+
+
+def _leave_now(code: int) -> None:
+    """Exit without the interpreter's shutdown: the MLX thread is still busy (loading
+    layers), and its per-thread state would abort the process as the interpreter
+    finalizes (common/mlx_thread_exit.py). A worker keeps nothing a stop could lose (a
+    fetch resumes from its .part files)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def _layer_range(text: str):
@@ -155,6 +205,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: removed {freed / 1e6:.1f} MB of fetched layers from {cache.root}")
         return 0
     secret = args.secret or os.environ.get("WEDLM_SECRET") or None
+    signals = StopSignals()
+    try:
+        worker = _build_worker(args, secret)
+        signals.raising = False
+    except StopRequested:
+        print(f"{PROG}: stopped while loading", file=sys.stderr, flush=True)
+        _leave_now(0)  # the MLX thread may still be loading layers
+    if isinstance(worker, int):  # a bad flag or model: said already
+        return worker
+    worker.start()
+    layers = str(args.layers) if args.layers else "unassigned"
+    config = worker.options.config
+    print(
+        f"{PROG} {worker.node_id} listening on {args.host}:{worker.port} layers {layers} "
+        f"(model {config.identity if config else 'from the coordinator'})",
+        flush=True,
+    )
+    while not signals.received:
+        time.sleep(SIGNAL_POLL_S)
+    if not worker.stop(grace=2.0, wait_s=STOP_WAIT_S):
+        _leave_now(0)
+    return _exit_watchdog(0)
+
+
+def _build_worker(args: argparse.Namespace, secret: str | None):
+    """The WorkerServer the flags describe, or the exit code of an error (said)."""
     # Imported here so that --help and flag errors answer without loading MLX.
     from common.default_model import default_model_path
     from common.errors import WedlmError
@@ -200,23 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
     if secret is None and not is_loopback(args.host):
         log.warning("no cluster secret: anyone who can reach this port can use the worker")
-
-    # The handlers only append (no lock): an Event's set() would take the lock of the
-    # Event.wait that the signal interrupts on this same thread, and hang for good.
-    signalled: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _: signalled.append(signum))
-    worker.start()
-    layers = str(args.layers) if args.layers else "unassigned"
-    print(
-        f"{PROG} {worker.node_id} listening on {args.host}:{worker.port} layers {layers} "
-        f"(model {config.identity if config else 'from the coordinator'})",
-        flush=True,
-    )
-    while not signalled:
-        time.sleep(SIGNAL_POLL_S)
-    worker.stop(grace=2.0)
-    return 0
+    return worker
 
 
 if __name__ == "__main__":

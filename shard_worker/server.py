@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ from shard_worker.stage_route import StageRoute
 
 SERVICE_NAME = "wedlm.v1.Worker"
 MAX_MESSAGE = 256 << 20
+STOP_WAIT_S = 60.0  # for the MLX thread's work in progress, at stop
 HANDLER_THREADS = 64  # each open Forward stream holds one thread for its lifetime
 MAX_CONCURRENT_RPCS = 48  # fewer than the threads, so Info and Release always find one
 GRPC_OPTIONS = [
@@ -154,18 +156,21 @@ class WorkerServer:
         if self.bonjour:
             self.bonjour.start(self.advert())
 
-    def stop(self, grace: float = 2.0) -> None:
+    def stop(self, grace: float = 2.0, wait_s: float = STOP_WAIT_S) -> bool:
         """Withdraw the advertisement, finish calls in flight for `grace` s, then end the
-        MLX thread and wait for it: no MLX work may outlive this call (the process exits
-        next; see common/mlx_thread_exit.py)."""
+        MLX thread and wait for it (up to `wait_s`: a layer load in progress is not waited
+        for longer): no MLX work may outlive a clean stop (the process exits next; see
+        common/mlx_thread_exit.py). Returns whether the MLX thread ended; if not, the
+        process must leave without the interpreter's shutdown (cli.py)."""
         self.health.enter_graceful_shutdown()
         if self.bonjour:
             self.bonjour.close()
         self.route.close()
         self.server.stop(grace).wait(grace + 1.0)
+        deadline = time.monotonic() + wait_s
         with contextlib.suppress(Exception):  # a stopping thread takes no more work
-            self.mlx.call(self.layers.close)
-        self.mlx.stop()
+            self.mlx.submit(self.layers.close).result(timeout=wait_s)
+        return self.mlx.stop(timeout=max(deadline - time.monotonic(), 0.1))
 
     def advert(self) -> WorkerAdvert:
         total, available = host_info.memory()
