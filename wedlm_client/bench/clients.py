@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.generation_params import GenerationParams
@@ -16,6 +18,9 @@ from wedlm_client.bench.records import PROMPTS, Rec, Schedule, now
 from wedlm_client.client import ClusterError, WedlmClient, final_dict
 
 REFUSAL_PAUSE_S = 0.05  # do not spin on a refusal or a closed port
+# after cancelling what still runs at the deadline: how long its threads may take to unwind
+# (an HTTP request still waiting for its response's headers times out this soon after)
+UNWIND_S = 2.0
 
 
 def stream_request(client: WedlmClient, text: str, params: GenerationParams, rec: Rec) -> bool:
@@ -77,12 +82,40 @@ class OpenAIRequest:
         return text if self.tag is None else f"w{self.tag} w{k} {text}"
 
 
-def openai_request(client, model: str, req: OpenAIRequest, k: int, rec: Rec) -> bool:
+def _read_timeout(deadline: float | None):
+    """The per-request timeout: with a deadline, no read waits past it (a server that has
+    not even sent its response's headers by then lets go), else the client's own."""
+    if deadline is None:
+        return None
+    import httpx
+
+    return httpx.Timeout(600.0, read=max(deadline - now(), 0.0) + UNWIND_S / 2)
+
+
+def _stream_abort(stream) -> Callable[[], None]:
+    """How to end a response stream from another thread: shut its socket down, which wakes
+    the thread blocked reading it (closing it would not) and tells the server we left."""
+    network = stream.response.extensions.get("network_stream")
+    sock = network.get_extra_info("socket") if network is not None else None
+
+    def abort() -> None:
+        if sock is None:
+            stream.close()
+            return
+        with contextlib.suppress(OSError):  # socket.socket's own: an SSL socket's keeps TLS
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    return abort
+
+
+def openai_request(client, model: str, req: OpenAIRequest, k: int, rec: Rec,
+                   deadline: float | None = None) -> bool:  # fmt: skip
     """One streamed completion. Per request: a (time, 1) event per chunk with text, the final
     usage's completion tokens (or, when no usage chunk comes, the count of chunks with
     text), any exception as the error, and a finish reason other than stop or length as
-    one too."""
+    one too. `deadline`: when the run may cut it (rec.cancel then aborts its stream)."""
     tokens, finish = None, None
+    timeout = _read_timeout(deadline)
     try:
         stream = client.completions.create(
             model=model,
@@ -93,7 +126,9 @@ def openai_request(client, model: str, req: OpenAIRequest, k: int, rec: Rec) -> 
             stream_options={"include_usage": True},
             **({} if req.seed is None else {"seed": req.seed}),
             **({} if req.extra is None else {"extra_body": req.extra}),
+            **({} if timeout is None else {"timeout": timeout}),
         )
+        rec.cancel = _stream_abort(stream)
         for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 rec.events.append((now(), 1))
@@ -125,27 +160,33 @@ def openai_thread(base_url: str, model: str, req: OpenAIRequest, schedule, recs:
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=600)
+    deadline = schedule.deadline
     with client:
-        _loop(lambda k, rec: openai_request(client, model, req, k, rec), schedule, recs,
-              first, step)  # fmt: skip
+        _loop(lambda k, rec: openai_request(client, model, req, k, rec, deadline), schedule,
+              recs, first, step)  # fmt: skip
 
 
 def grpc_thread(address: str, params, schedule: Schedule, recs: list[Rec], first: int, step: int,
                 request=stream_request, prompts=PROMPTS) -> None:  # fmt: skip
     """One closed loop of gRPC requests (`request`: stream_request or wait_request)."""
     with WedlmClient(address) as client:
+        # closing the channel ends its calls at once, from any thread: a cut stream's abort
         _loop(lambda k, rec: request(client, prompts[k % len(prompts)], params, rec),
-              schedule, recs, first, step)  # fmt: skip
+              schedule, recs, first, step, client.close)  # fmt: skip
 
 
-def _loop(send, schedule: Schedule, recs: list[Rec], first: int, step: int) -> None:
+def _loop(send, schedule: Schedule, recs: list[Rec], first: int, step: int,
+          cancel: Callable[[], None] | None = None) -> None:  # fmt: skip
     for k in itertools.count(first, step):
         if (rec := schedule.next()) is None:
             return
-        if not send(k, rec):
-            time.sleep(REFUSAL_PAUSE_S)
+        rec.cancel = cancel  # `send` may set a finer one
+        ok = send(k, rec)
         rec.end = now()
-        recs.append(rec)
+        if not schedule.close(rec, recs):
+            return  # cut at the deadline: Schedule.cut has its record
+        if not ok:
+            time.sleep(REFUSAL_PAUSE_S)
 
 
 def http_thread(base_url: str, model: str, params, schedule, recs: list[Rec], first, step):
@@ -172,18 +213,29 @@ def ready() -> bool:
 
 def client_part(kind, target, model, params, threads, first, step, start, duration, warmup,
                 requests=0) -> list[Rec]:  # fmt: skip
-    """One client process: `threads` closed loops from `start` on; returns their records."""
+    """One client process: `threads` closed loops from `start` on; returns their records.
+    With a duration, what still runs at the schedule's deadline is cancelled and returned
+    as unfinished: a slow server cannot stretch the run."""
     time.sleep(max(start - now(), 0.0))
     schedule = Schedule(duration, requests, warmup)
     recs: list[Rec] = []
     run = THREADS[kind]
     args = (target, params) if kind == "grpc" else (target, model, params)
+    # daemons: a request that would not let go cannot keep this process from exiting
     pool = [
-        threading.Thread(target=run, args=(*args, schedule, recs, first + i * step, step * threads))
+        threading.Thread(
+            target=run, args=(*args, schedule, recs, first + i * step, step * threads), daemon=True
+        )
         for i in range(threads)
     ]
     for t in pool:
         t.start()
-    for t in pool:
-        t.join()
-    return recs
+    _join(pool, schedule.deadline)
+    cut = schedule.cut()  # nothing joins `recs` after this
+    _join(pool, now() + UNWIND_S)  # their connections close before the next run starts
+    return [*recs, *cut]
+
+
+def _join(threads: list[threading.Thread], until: float | None) -> None:
+    for t in threads:
+        t.join(None if until is None else max(until - now(), 0.0))

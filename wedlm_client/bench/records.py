@@ -3,10 +3,13 @@ what it recorded. Pure Python (no numpy), so the client install can run it."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import itertools
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 now = time.perf_counter  # CLOCK_MONOTONIC: comparable across the client processes
@@ -24,7 +27,9 @@ PROMPTS = (
 
 @dataclass
 class Rec:
-    """One request: submit time, (time, tokens) per token event, the final record or error."""
+    """One request: submit time, (time, tokens) per token event, the final record or error.
+    `unfinished`: still running when the run's deadline came (`end` is then that moment:
+    its time so far), so it was cancelled and is neither done nor failed."""
 
     submit: float
     measured: bool = True
@@ -33,19 +38,36 @@ class Rec:
     final: dict | None = None
     error: str | None = None
     detail: str | None = None  # the error's message
+    unfinished: bool = False
+    # how to abort it from another thread (not pickled: it stays in the client process)
+    cancel: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "cancel": None}
+
+
+def grace_s(duration: float) -> float:
+    """How long requests still running at the end of a measured window may take to end
+    before they are cut: a quarter of the window, at most 10 s (so that a slow server
+    cannot stretch a 30 s run to minutes)."""
+    return min(0.25 * duration, 10.0)
 
 
 class Schedule:
     """Which requests a closed loop sends and measures. Requests sent during the warm-up
-    are not measured; with a duration, requests are sent until warm-up + duration, else
-    `requests` measured requests are sent in all."""
+    are not measured; with a duration, requests are sent until warm-up + duration (and
+    those still running at `deadline`, grace_s later, are cut), else `requests` measured
+    requests are sent in all."""
 
     def __init__(self, duration: float, requests: int, warmup: float) -> None:
         self.duration, self.requests = duration, requests
         self.warm_end = now() + warmup
         self.stop_at = self.warm_end + duration
+        self.deadline = self.stop_at + grace_s(duration) if duration else None
         self._quota = itertools.count()
         self._lock = threading.Lock()
+        self._recs: dict[int, Rec] = {}  # the requests in flight, by id()
+        self._cut = False
 
     def next(self) -> Rec | None:
         t = now()
@@ -53,9 +75,40 @@ class Schedule:
         if self.duration and t >= self.stop_at:
             return None
         with self._lock:
+            if self._cut:
+                return None
             if not self.duration and measured and next(self._quota) >= self.requests:
                 return None
-        return Rec(t, measured)
+            rec = Rec(t, measured)
+            self._recs[id(rec)] = rec
+        return rec
+
+    def close(self, rec: Rec, recs: list[Rec]) -> bool:
+        """A request ended: it joins `recs`, unless it was cut meanwhile (False: its loop
+        stops; cut() already returned its record)."""
+        with self._lock:
+            if self._recs.pop(id(rec), None) is None:
+                return False
+            recs.append(rec)
+            return True
+
+    def cut(self) -> list[Rec]:
+        """Stop the schedule and cancel every request still running: copies of them, as
+        they stood now, marked unfinished (their threads may still unwind)."""
+        t = now()
+        with self._lock:
+            self._cut = True
+            running, self._recs = list(self._recs.values()), {}
+        out = []
+        for rec in running:
+            snap = copy.copy(rec)
+            snap.events, snap.end, snap.unfinished = list(rec.events), t, True
+            snap.final, snap.error, snap.detail, snap.cancel = None, None, None, None
+            out.append(snap)
+            if rec.cancel is not None:
+                with contextlib.suppress(Exception):  # a failed abort changes nothing measured
+                    rec.cancel()
+        return out
 
     @property
     def window(self) -> tuple[float, float] | None:
@@ -80,8 +133,10 @@ def median(values: list) -> float | None:
 
 def summarize(recs: list[Rec], window: tuple[float, float] | None) -> dict:
     """window (start, end): tok/s = tokens of every event inside it / its length (steady
-    state); None: tokens of the measured requests / (first submit → last end)."""
-    done = [r for r in recs if r.measured and r.error is None and r.events]
+    state); None: tokens of the measured requests / (first submit → last end). TPOT and
+    ITL are of the requests that ended; TTFT also of the unfinished ones that had their
+    first token."""
+    done = [r for r in recs if r.measured and r.error is None and r.events and not r.unfinished]
     if window is not None:
         t0, t1 = window
         tokens = sum(n for r in recs for t, n in r.events if t0 <= t <= t1)
@@ -89,7 +144,9 @@ def summarize(recs: list[Rec], window: tuple[float, float] | None) -> dict:
         mine = [r for r in recs if r.measured] or [Rec(0.0)]
         t0, t1 = min(r.submit for r in mine), max(r.end for r in mine)
         tokens = sum(n for r in done for _, n in r.events)
-    ttft = [r.events[0][0] - r.submit for r in done]
+    # a request cut at the deadline had its first token, if it had one, like any other
+    started = done + [r for r in recs if r.unfinished and r.measured and r.events]
+    ttft = [r.events[0][0] - r.submit for r in started]
     tpot, itl = [], []
     for r in done:
         n = sum(k for _, k in r.events)

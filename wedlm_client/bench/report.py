@@ -81,17 +81,19 @@ def header(command: str, args_used: dict) -> dict[str, Any]:
             "args": args_used}  # fmt: skip
 
 
+def shown(v: Any) -> str:
+    """A value for a person: nothing measured shows as 'n/a' (never 'None'), floats with at
+    most 2 decimals."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
+    return str(v)
+
+
 def table(columns: list[str], rows: list[list[Any]]) -> str:
-    """A plain text table; None shows as '-', floats with at most 2 decimals."""
-
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:,.2f}" if abs(v) < 100 else f"{v:,.0f}"
-        return str(v)
-
-    text = [[cell(v) for v in row] for row in rows]
+    """A plain text table of shown() values; "" leaves a cell blank."""
+    text = [[shown(v) for v in row] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in text)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in text]

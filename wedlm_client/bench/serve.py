@@ -13,16 +13,18 @@ from typing import Any
 from common.errors import WedlmError
 from common.generation_params import GenerationParams
 from wedlm_client.bench import report
-from wedlm_client.bench.clients import OpenAIRequest
-from wedlm_client.bench.load import client_pool, level
-from wedlm_client.bench.records import median
+from wedlm_client.bench.clients import UNWIND_S, OpenAIRequest
+from wedlm_client.bench.load import START_DELAY_S, client_pool, level
+from wedlm_client.bench.records import grace_s, median
 from wedlm_client.bench.targets import Target, openai_model, parse_target
 
-KEPT = ("tok_s", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90",
-        "tpot_ms_p99", "tokens_per_forward_p50", "sent", "ok", "failed", "requests_ended",
-        "failures", "error_sample")  # fmt: skip
-MEDIANS = ("tok_s", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90")
-SUMS = ("sent", "ok", "failed")
+KEPT = ("tok_s", "tok_s_events", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50",
+        "tpot_ms_p90", "tpot_ms_p99", "tokens_per_forward_p50", "sent", "ok", "failed",
+        "requests_ended", "unfinished", "unfinished_s_p50", "unfinished_s_max",
+        "unfinished_tokens", "unfinished_no_token", "failures", "error_sample")  # fmt: skip
+MEDIANS = ("tok_s", "tok_s_events", "ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50",
+           "tpot_ms_p90")  # fmt: skip
+SUMS = ("sent", "ok", "failed", "requests_ended", "unfinished")
 
 
 def prepare(targets: list[Target], args) -> None:
@@ -72,8 +74,10 @@ def medians(rounds: list[dict], names: list[str]) -> dict[str, dict]:
     for name in names:
         if not (mine := [r[name] for r in rounds if name in r]):
             continue
-        m: dict[str, Any] = {k: median([r[k] for r in mine]) for k in MEDIANS}
-        m.update({k: sum(r[k] for r in mine) for k in SUMS})
+        m: dict[str, Any] = {k: median([r.get(k) for r in mine]) for k in MEDIANS}
+        m.update({k: sum(r.get(k, 0) for r in mine) for k in SUMS})
+        if ran := [r["unfinished_s_max"] for r in mine if "unfinished_s_max" in r]:
+            m["unfinished_s_max"] = max(ran)
         m["rounds"] = len(mine)
         out[name] = m
     return out
@@ -113,7 +117,10 @@ def run(args) -> dict[str, Any]:
         else "completion tokens of the requests that ended in the measured window / window"
     )
     result["levels"] = {}
-    progress = report.Progress(len(args.concurrency) * args.rounds * len(targets), "serve")
+    runs_total = len(args.concurrency) * args.rounds * len(targets)
+    progress = report.Progress(runs_total, "serve")
+    if not args.requests:
+        progress.note(timing_note(args, runs_total))
     run_no, rounds = 0, []
     with client_pool(args.client_processes) as pool:
         for c, r, order in abab(args.concurrency, args.rounds, targets):
@@ -121,21 +128,98 @@ def run(args) -> dict[str, Any]:
             for t in order:
                 run_no += 1
                 runs[t.name] = s = run_target(pool, t, c, run_no, args)
-                progress.step(f"C={c} {t.name} round {r + 1}: {s['tok_s']} tok/s, TTFT p50 "
-                              f"{s['ttft_ms_p50']} ms, {s['ok']} ok, {s['failed']} failed")
+                progress.step(f"C={c} {t.name} round {r + 1}: {run_line(s, args)}")
             rounds.append(runs)
             if r == args.rounds - 1:
                 med = medians(rounds, names)
                 result["levels"][str(c)] = {"rounds": rounds, "median": med,
                                             "compare": compare(med, names)}  # fmt: skip
                 rounds = []
-    result["files"] = {}
-    if (fig := plot(result, names)) is not None:
-        result["files"]["png"] = report.save_figure(fig, args.out / "serve.png")
-    else:
-        result["plot"] = "matplotlib is not installed (pip install 'wedlm-cluster[bench]')"
+    result["notes"] = notes(result, names, args)
+    save_plot(result, names, args.out / "serve.png")
     report.emit(result, text_table(result, names), args.out, "serve", args.json)
     return result
+
+
+def timing_note(args, runs: int) -> str:
+    """What a run by duration takes, said before it starts."""
+    grace = grace_s(args.duration)
+    start = START_DELAY_S if args.client_processes > 1 else 0.0
+    each = start + args.warmup + args.duration + grace + UNWIND_S
+    return (f"each run: {args.warmup:g} s warm-up + {args.duration:g} s measured; requests "
+            f"still running {grace:g} s after that are cut (reported as unfinished); "
+            f"{runs} run{'s' * (runs > 1)}, at most about {runs * each:.0f} s")  # fmt: skip
+
+
+def run_line(s: dict, args) -> str:
+    """One run's progress line: nothing measured reads 'n/a', and what was cut is said."""
+    line = (f"{report.shown(s['tok_s'])} tok/s, TTFT p50 {ms(s['ttft_ms_p50'])}, "
+            f"{s['ok']} ok, {s['failed']} failed")  # fmt: skip
+    if s.get("unfinished"):
+        line += f", {s['unfinished']} unfinished (cut after {s['unfinished_s_max']:g} s)"
+    if not args.requests and not s["requests_ended"]:
+        line += f"; none finished inside the {args.duration:g} s window"
+    return line
+
+
+def ms(v: float | None) -> str:
+    return "n/a" if v is None else f"{report.shown(v)} ms"
+
+
+def notes(result: dict, names: list[str], args) -> list[str]:
+    """What the table alone would hide: levels where no request finished inside the window
+    or where requests were cut, and what to do about it."""
+    out, slow = [], False
+    for c, lv in result["levels"].items():
+        for n in names:
+            m = lv["median"][n]
+            if args.requests or not (m["unfinished"] or not m["requests_ended"]):
+                continue
+            what = f"C={c} {n}: "
+            if not m["requests_ended"] and m["sent"] > m["failed"]:
+                slow = True
+                what += (f"no request finished inside the {args.duration:g} s window "
+                         f"(in {m['rounds']} round{'s' * (m['rounds'] > 1)})")  # fmt: skip
+            elif m["unfinished"]:
+                what += f"{m['ok']} requests finished, {m['requests_ended']} inside the window"
+            else:
+                continue  # every request failed: the failed column says so
+            if m["unfinished"]:
+                grace = grace_s(args.duration)
+                what += (f"; {m['unfinished']} still running {grace:g} s after it were cut, "
+                         f"having run {m['unfinished_s_max']:g} s at most (counted neither "
+                         f"done nor failed)")  # fmt: skip
+            out.append(what)
+    if slow:
+        out.append(
+            f"the server answers more slowly than the window: --requests N measures N "
+            f"requests per run, each to its end (e.g. --requests {2 * max(args.concurrency)}), "
+            f"or raise --duration (now {args.duration:g} s)"
+        )
+    return out
+
+
+def save_plot(result: dict, names: list[str], path: Path) -> None:
+    """The PNG, or why there is none: no matplotlib, or nothing measured to draw (then an
+    older run's serve.png is removed, so that it does not pass for this one's)."""
+    result["files"] = {}
+    if not has_points(result, names):
+        path.unlink(missing_ok=True)
+        result["plot"] = "no plot: no request finished, so there is nothing to draw"
+    elif (fig := plot(result, names)) is None:
+        result["plot"] = "no plot: matplotlib is not installed (pip install 'wedlm-cluster[bench]')"
+    else:
+        result["files"]["png"] = report.save_figure(fig, path)
+
+
+def has_points(result: dict, names: list[str]) -> bool:
+    return any(
+        r[n].get(key) is not None
+        for lv in result["levels"].values()
+        for r in lv["rounds"]
+        for n in names
+        for key in ("tok_s", "ttft_ms_p50")
+    )
 
 
 def text_table(result: dict, names: list[str]) -> str:
@@ -144,14 +228,23 @@ def text_table(result: dict, names: list[str]) -> str:
         for n in names:
             m = lv["median"][n]
             rows.append([c, n, m["tok_s"], m["ttft_ms_p50"], m["ttft_ms_p90"], m["ttft_ms_p99"],
-                         m["tpot_ms_p50"], m["tpot_ms_p90"], m["ok"], m["failed"]])  # fmt: skip
+                         m["tpot_ms_p50"], m["tpot_ms_p90"], m["ok"], m["failed"],
+                         m["unfinished"]])  # fmt: skip
         if lv["compare"]:
             cmp = lv["compare"]
-            rows.append([c, cmp["of"], cmp["tok_s"], cmp["ttft_ms_p50"], *[None] * 6])
+            rows.append([c, cmp["of"], cmp["tok_s"], cmp["ttft_ms_p50"], *[""] * 7])
     labels = [f"{n}: {t['kind']} {t['address']} ({t['model']})"
               for n, t in result["targets"].items()]  # fmt: skip
-    cols = ["C", "target", "tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "ok", "failed"]
-    return "\n".join([*labels, "(medians over rounds; ms)", report.table(cols, rows)])
+    cols = ["C", "target", "tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "ok", "failed",
+            "unfinished"]  # fmt: skip
+    tail = [*result.get("notes", []), *([result["plot"]] if "plot" in result else [])]
+    return "\n".join([*labels, "(medians over rounds; ms; n/a: nothing measured)",
+                      report.table(cols, rows), *(["", *tail] if tail else [])])  # fmt: skip
+
+
+# each panel: its value, its axis label, and why it may have nothing to show
+PANELS = (("tok_s", "aggregate output tok/s", "no request finished inside the window"),
+          ("ttft_ms_p50", "TTFT p50 (ms)", "no request had its first token"))  # fmt: skip
 
 
 def plot(result: dict, names: list[str]):
@@ -163,9 +256,12 @@ def plot(result: dict, names: list[str]):
     fig, axes = made
     levels = result["levels"]
     cs = [int(c) for c in levels]
+    drawn = set()
     for i, name in enumerate(names):
-        for key, ax in zip(("tok_s", "ttft_ms_p50"), axes, strict=True):
+        for (key, _, _), ax in zip(PANELS, axes, strict=True):
             ys = [levels[str(c)]["median"][name][key] for c in cs]
+            if any(y is not None for y in ys):
+                drawn.add(key)
             failed = sum(levels[str(c)]["median"][name]["failed"] for c in cs)
             ax.plot(cs, [float("nan") if y is None else y for y in ys], "o-", color=f"C{i}",
                     label=f"{name} ({failed} failed)" if failed else name)  # fmt: skip
@@ -173,6 +269,9 @@ def plot(result: dict, names: list[str]):
                     if r[name][key] is not None]  # fmt: skip
             if dots:
                 ax.plot(*zip(*dots, strict=True), ".", color=f"C{i}", alpha=0.35)
-    for ax, ylabel in zip(axes, ("aggregate output tok/s", "TTFT p50 (ms)"), strict=True):
+    for (key, ylabel, empty), ax in zip(PANELS, axes, strict=True):
         report.finish_axes(ax, "concurrent streaming requests", ylabel, xs=cs)
+        if key not in drawn:  # say so, rather than an empty panel
+            ax.text(0.5, 0.5, f"nothing measured:\n{empty}", transform=ax.transAxes,
+                    ha="center", va="center")  # fmt: skip
     return fig
