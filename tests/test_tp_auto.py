@@ -99,7 +99,8 @@ def test_choose_groups_over_a_fast_link(config):
     choice = choose(entries, config, BIG, me, measure)
     assert choice.size == 2 and asked == [(names, [tuple(names)])]
     assert choice.note.startswith("tp auto: tp 2 (")
-    assert f"{LOCAL}↔127.0.0.1:1 ring link 0.05 ms RTT, 10 GB/s: 2×36 all-reduces" in choice.note
+    assert "exchanging 72 partial results over the slowest link" in choice.note
+    assert f"({LOCAL}↔127.0.0.1:1: 0.05 ms round trip, 10 GB/s)" in choice.note
 
 
 def test_choose_stays_a_pipeline_over_a_slow_link_and_says_why(config):
@@ -109,10 +110,13 @@ def test_choose_stays_a_pipeline_over_a_slow_link_and_says_why(config):
     choice = choose(entries, config, TINY, None, measure)
     assert choice.size == 1
     assert choice.note.startswith("tp auto: pipeline (")
-    assert "127.0.0.1:1↔127.0.0.1:2 ring link 0.31 ms RTT, 1.2 GB/s: tp 2 would spend" in (
+    assert "splitting every layer over 2 members would take" in choice.note
+    assert "exchanging 8 partial results over the slowest link (127.0.0.1:1↔127.0.0.1:2: " in (
         choice.note
     )
-    assert "in 2×4 all-reduces against" in choice.note and "of split weight reads" in choice.note
+    assert "0.31 ms round trip, 1.2 GB/s)" in choice.note and "reading the split weights" in (
+        choice.note
+    )
 
 
 def test_sizes_that_do_not_divide_are_not_weighed(config):

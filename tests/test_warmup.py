@@ -4,6 +4,7 @@ workload never leaves the set that ShapeLimits counts."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -186,11 +187,12 @@ def test_the_shape_count_is_a_metric(warmed):
     assert value == local.engine.shapes.count > 0
 
 
-def test_two_stages_measure_the_draft_break_even_through_the_worker(model):
+def test_two_stages_measure_the_draft_break_even_through_the_worker(model, tmp_path):
     """A coordinator and one worker on CPU (warm-up auto: no shapes are warmed there) run
-    2 micro-batches, whose overlapping forwards cannot price drafts online; so before it
-    serves, the coordinator measures the break-even through the worker, per row bucket of a
-    decode group. Speculative requests through the 2 stages then give AR's tokens."""
+    2 micro-batches, whose overlapping forwards cannot price drafts online; so once it
+    serves and is idle, the coordinator measures the break-even through the worker, per
+    row bucket of a decode group, and keeps it for the next start. Speculative requests
+    through the 2 stages then give AR's tokens."""
     from tests.cluster_harness import (
         cluster_name,
         engine_outputs,
@@ -205,12 +207,14 @@ def test_two_stages_measure_the_draft_break_even_through_the_worker(model):
     try:
         coord, address = start_coordinator(
             model, name, "--no-bonjour", "--worker", waddr, "--expect", "1",
-            "--max-running", "4",
+            "--max-running", "4", env={"WEDLM_CACHE_DIR": str(tmp_path)},
         )  # fmt: skip
+        coord.expect("serving")
         measured = coord.expect(r"draft break-even \(.*by rows\): (.*), measured in")
         assert [b.split(":")[0] for b in measured.group(1).split(", ")] == ["1", "2"]
-        coord.expect("serving")
         assert not any("warm-up:" in line for line in coord.log)  # no shapes on CPU
+        kept = json.loads((tmp_path / "measured-step-costs.json").read_text())
+        assert [list(e["ratios"]) for e in kept.values()] == [["1", "2"]]
         texts = ["count 1 2 3 1 2 3 1 2", "a b c a b", "the cat sat on the mat"]
         ar = GenerationParams(mode="ar", max_tokens=16)
         spec = GenerationParams(mode="speculative", draft="mask", window=4, max_tokens=16)

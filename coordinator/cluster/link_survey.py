@@ -58,7 +58,8 @@ class LinkSurvey:
             figures.links[key] = self._link(a, b)
         self.last = figures
         log.info(
-            "link survey: %d members' reads, %d links in %.2f s",
+            "measured how fast %d members read memory and %d links between them carry data "
+            "(to choose between a pipeline and tensor parallelism) in %.2f s",
             len(members), len(pairs), time.monotonic() - start,
         )  # fmt: skip
         return figures

@@ -142,16 +142,18 @@ def reason(chosen: Projection, options: list[Projection]) -> str:
             return f"tp auto: pipeline — {why}"
         rival = best(rivals)
         return (
-            f"tp auto: pipeline ({_ms(pipeline.token_s)} per token projected) — "
-            f"{_ring(rival)}: tp {rival.size} would spend {_ms(rival.all_reduce_s)} per token "
-            f"in 2×{rival.all_reduces / 2:.0f} all-reduces against {_ms(rival.split_reads_s)} of "
-            f"split weight reads ({_ms(rival.token_s)} in all)"
+            f"tp auto: pipeline (each member runs its own layers; {_ms(pipeline.token_s)} per "
+            f"token projected) — splitting every layer over {rival.size} members would take "
+            f"{_ms(rival.token_s)} per token: {_ms(rival.all_reduce_s)} of it exchanging "
+            f"{rival.all_reduces:.0f} partial results over the slowest link ({_ring(rival)}), "
+            f"{_ms(rival.split_reads_s)} reading the split weights"
         )
     return (
-        f"tp auto: tp {chosen.size} ({_ms(chosen.token_s)} per token projected, "
-        f"{_ms(pipeline.token_s)} as a pipeline) — {_ring(chosen)}: 2×{chosen.all_reduces / 2:.0f} "
-        f"all-reduces cost {_ms(chosen.all_reduce_s)} per token, the split weight reads "
-        f"{_ms(chosen.split_reads_s)}"
+        f"tp auto: tp {chosen.size} (every layer split over {chosen.size} members; "
+        f"{_ms(chosen.token_s)} per token projected, {_ms(pipeline.token_s)} as a pipeline) — "
+        f"reading the split weights takes {_ms(chosen.split_reads_s)} per token, exchanging "
+        f"{chosen.all_reduces:.0f} partial results over the slowest link ({_ring(chosen)}) "
+        f"{_ms(chosen.all_reduce_s)}"
     )
 
 
@@ -162,4 +164,4 @@ def _ms(seconds: float) -> str:
 
 def _ring(p: Projection) -> str:
     lk = p.ring
-    return f"{lk.a}↔{lk.b} ring link {lk.rtt_s * 1e3:.2f} ms RTT, {lk.bandwidth / 1e9:.2g} GB/s"
+    return f"{lk.a}↔{lk.b}: {lk.rtt_s * 1e3:.2f} ms round trip, {lk.bandwidth / 1e9:.2g} GB/s"

@@ -116,6 +116,7 @@ class Engine:
         self.undelivered: list[Commit] = []  # commits of a step that then failed
         self.drafter = None  # a DraftModel proposing speculative drafts (use_drafter)
         self._warned: set[str] = set()  # modes whose mode_warning was logged
+        self._auto_mode: str | None = None  # mode "auto" decodes with this (None: the model's)
         self.grammars: constrained.Grammars | None = None  # structured output (use_grammars)
         # True: the mask fill of the oldest forward in flight starts on the grammars'
         # thread once its matchers are advanced (_start_fill); False (the default): filled
@@ -186,8 +187,13 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
     @property
     def default_mode(self) -> str:
-        """What requests in mode "auto" decode with: the checkpoint's own decoding."""
-        return self.config.default_mode
+        """What requests in mode "auto" decode with: the checkpoint's own decoding, unless
+        this machine's measured costs chose otherwise (auto_mode.py: `use_auto_mode`)."""
+        return self._auto_mode or self.config.default_mode
+
+    def use_auto_mode(self, mode: str | None) -> None:
+        """Mode "auto" decodes with `mode` from now on (None: the checkpoint's own)."""
+        self._auto_mode = mode
 
     def resolve_mode(self, params: GenerationParams) -> GenerationParams:
         """Mode "auto" becomes this engine's own decoding."""
@@ -451,11 +457,11 @@ class Engine:
             hidden = select_slots(hidden[:rows], flight.batch.head_slots)
         scores = None
         if not flight.unresolved and flight.batch.score_slots.shape[1]:
-            # prompt rows scored for prompt logprobs came back after the head slots
-            k = flight.batch.head_slots.shape[1]
-            rows = len(flight.plans)
+            # prompt rows scored for prompt logprobs: every slot came back (reply_slots)
+            k, rows = flight.batch.head_slots.shape[1], len(flight.plans)
+            hidden = select_slots(hidden[:rows], flight.batch.wanted_slots())
             scores = token_logprobs.prompt_scores(
-                flight.plans, flight.batch.score_slots, hidden[:rows, k:], self.parts.head
+                flight.plans, flight.batch.score_slots, hidden[:, k:], self.parts.head
             )
             hidden = hidden[:, :k]
         fills, tokens, logprobs = self._select(flight.batch, hidden, fill)

@@ -8,11 +8,9 @@ micro-batch can hold) x the first `spans` attention spans (prompts at the first 
 use throw-away sequence ids, keep no KV past the forwards that set up their lengths, and are
 released at the end: the engine keeps nothing of it but the shapes it ran.
 
-Then it measures the break-even of speculative drafts (step_timing.py) through the same
-pipeline. Where the warm-up does not run (MLX's CPU backend), `price_drafts` measures it
-alone wherever the engine cannot refine it online: several micro-batches in flight (a
-pipeline of stages), whose forwards overlap, so that no forward's own wall time is seen
-(engine._time_forward). Speculative requests through 2 stages are then priced too."""
+With `timing`, it then measures the break-even of speculative drafts (step_timing.py)
+through the same pipeline. A server does not: it leaves that to the engine's idle time
+(coordinator/service/startup_costs.py), and says how far the warm-up is every few seconds."""
 
 from __future__ import annotations
 
@@ -45,9 +43,7 @@ WARM_IDS = 1 << 61  # throw-away sequence ids (real ids count up from 0, padding
 WARM_BATCH_IDS = 1 << 41  # batch ids of warm-up forwards (the engine's count up from 1)
 SETUP_WIDTH = 8  # a first forward gives the rows of a bucket KV lengths 0..7, as in serving
 EXTEND_WIDTH = 64  # then each further span adds this many rows of KV
-# price_drafts' time: on MLX's CPU backend through 2 stages every row bucket of a 32-row
-# decode group took over 10 minutes on 2 shared cores, past the local runner's patience
-PRICE_BUDGET_S = 20.0
+PROGRESS_EVERY_S = 5.0  # a long warm-up says how far it is at least this often
 
 _AR = GenerationParams(mode="ar", max_tokens=1)
 _SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95}  # the filtering sampling path
@@ -87,9 +83,16 @@ def warm_up(
     warmer = _Warmer(engine)
     most = max_rows or engine.shape_limits().max_rows
     buckets = sorted({row_bucket(n) for n in range(1, most + 1)})
+    said = started
     try:
-        for r in buckets:
+        for i, r in enumerate(buckets):
             warmer.bucket(r, spans, tuple(windows), prefill)
+            if (now := time.perf_counter()) - said >= PROGRESS_EVERY_S:
+                said = now
+                log.info(
+                    "warming up: %d of %d row counts, %d shapes in %.0f s",
+                    i + 1, len(buckets), len(warmer.keys), now - started,
+                )  # fmt: skip
     finally:
         if warmer.used:
             engine.pipeline.release(warmer.used)
@@ -116,21 +119,6 @@ def warm_up(
         report.seconds,
     )
     return report
-
-
-def price_drafts(
-    engine: Engine, max_rows: int | None = None, budget_s: float = PRICE_BUDGET_S
-) -> dict[int, float]:
-    """Measure the break-even of speculative drafts through the engine's pipeline (the
-    workers' hop included), for the row buckets of one decode group, where nothing
-    measured it yet and the engine cannot refine it online (module docstring); returns the
-    ratios measured ({} where none was needed). Smallest buckets first, within about
-    `budget_s` (step_timing.measure_step_cost). Call like warm_up."""
-    if engine.micro_batches == 1 or engine.step_cost.seeded:
-        return {}
-    most = max_rows or engine.shape_limits().max_rows
-    group = -(-most // engine.micro_batches)  # a decode group's rows
-    return measure_step_cost(engine, range(1, group + 1), budget_s=budget_s)
 
 
 def _bursts(engine: Engine, buckets: list[int], window: int, wedlm: bool) -> None:

@@ -5,6 +5,7 @@ their layers, answers the prompt (if one is given) and stops everything afterwar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -12,6 +13,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from common.errors import WedlmError
@@ -23,6 +26,7 @@ from wedlm_client.cli import params_from_args
 from wedlm_client.client import WedlmClient
 
 START_TIMEOUT_S = 600.0
+PROGRESS_EVERY_S = 5.0  # the terminal hears from a start at least this often
 
 
 def start_worker(
@@ -65,10 +69,12 @@ def run_local(args: argparse.Namespace) -> int:
         start_worker(model, cluster, secret, logs / f"worker-{i}.log", tls_flags)
         for i in range(args.workers)
     ]
+    say(f"starting {args.workers} worker processes on 127.0.0.1 (their logs: {logs})")
     server = None
     try:
-        for i, proc in enumerate(procs):
-            print(_await_listening(proc, logs / f"worker-{i}.log"), file=sys.stderr, flush=True)
+        with still_working("waiting for the workers to start"):
+            for i, proc in enumerate(procs):
+                say(_await_listening(proc, logs / f"worker-{i}.log"))
         opts = serve_options(
             args,
             model=model,
@@ -80,9 +86,10 @@ def run_local(args: argparse.Namespace) -> int:
             state_dir=args.state_dir if str(args.state_dir or "none") != "none" else None,
             tls=tls,
         )
-        server = CoordinatorServer(opts)
+        with still_working("loading the model's embedding, head and tokenizer"):
+            server = CoordinatorServer(opts)
         server.start()
-        server.ready.wait(START_TIMEOUT_S)
+        _await_ready(server)
         if server.failed or not server.ready.is_set():
             raise WedlmError(server.failed or _not_ready(server))
         address = f"127.0.0.1:{server.port}"
@@ -91,7 +98,9 @@ def run_local(args: argparse.Namespace) -> int:
         )
         if server.http is not None:
             url = f"http://127.0.0.1:{server.http.port}/v1"
-            print(f"OpenAI-compatible HTTP API on {url}", file=sys.stderr, flush=True)
+            say(f"OpenAI-compatible HTTP API on {url}")
+            console = f"http://127.0.0.1:{server.http.port}/"
+            say(f"web console on {console}")
         if args.prompt or args.prompt_ids:
             _answer(address, args)
         if args.keep_running:
@@ -108,6 +117,42 @@ def run_local(args: argparse.Namespace) -> int:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def still_working(what: str, every_s: float = PROGRESS_EVERY_S) -> Iterator[None]:
+    """Say `what` every `every_s` seconds until the block ends: never a silent minute."""
+    done, started = threading.Event(), time.monotonic()
+
+    def remind() -> None:
+        while not done.wait(every_s):
+            say(f"{what} ({time.monotonic() - started:.0f} s)")
+
+    thread = threading.Thread(target=remind, name="progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def _await_ready(server: CoordinatorServer) -> None:
+    """Wait for readiness, saying what the coordinator is doing every few seconds."""
+    started = said = time.monotonic()
+    while not server.ready.wait(1.0):
+        now = time.monotonic()
+        if now - started > START_TIMEOUT_S:
+            return
+        if now - said >= PROGRESS_EVERY_S:
+            said = now
+            waiting = server.cluster_status().waiting_for
+            say(f"coordinator {server.state}{': ' + waiting if waiting else ''} "
+                f"({now - started:.0f} s)")  # fmt: skip
 
 
 def _answer(address: str, args: argparse.Namespace) -> None:

@@ -603,6 +603,10 @@ class CoordinatorServer:
                 max_prompt_chars=self.max_prompt_chars,
             ),
         )
+        # the coordinator as a member: what the console shows of it (the same figures)
+        me = self.console_extras()["self"]
+        fields = pb.CoordinatorMember.DESCRIPTOR.fields_by_name
+        reply.coordinator.CopyFrom(pb.CoordinatorMember(**{k: me[k] for k in fields}))
         assembly = self.planner.assembly if self.planner is not None else None
         reply.plan_note = assembly.note if assembly is not None else ""
         if assembly is not None and assembly.auto is not None:  # what --tp auto measured

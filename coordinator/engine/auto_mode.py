@@ -1,0 +1,27 @@
+"""What mode "auto" decodes with on this machine. A WeDLM-trained checkpoint decodes with
+WeDLM where a wide forward costs about what a one-row one does (a Mac's GPU, a CUDA GPU:
+the weights are read once for every row). Where a wide forward costs many one-row forwards
+(MLX's CPU backend multiplies quantized weights row by row: a 10-row forward measured 14x
+a one-row one on 2 x86 cores), WeDLM's windows commit fewer tokens per second than AR, so
+auto decodes with AR there. An explicit `mode: wedlm` still runs WeDLM."""
+
+from __future__ import annotations
+
+# A drafting forward of 10 rows (step_timing.py) costing more than this many one-row
+# forwards makes auto choose AR: WeDLM's 16-32-row windows would then have to commit more
+# than ~6 tokens per forward to keep up, which only raw counting does (the r2 checkpoint:
+# 3.8 on counting lists, 1.2 on chat). On an H200 the ratio is 1.3-3, on a Mac about 1.
+WIDE_COST_FOR_AR = 6.0
+
+
+def auto_mode(checkpoint_mode: str, wide_cost: float | None) -> tuple[str, str]:
+    """(the mode auto decodes with, why in a sentence or "") from the checkpoint's own
+    mode and what a drafting forward costs in one-row forwards (None: not measured)."""
+    if checkpoint_mode != "wedlm" or wide_cost is None or wide_cost <= WIDE_COST_FOR_AR:
+        return checkpoint_mode, ""
+    return "ar", (
+        f"mode auto decodes with AR, not WeDLM: on this machine a 10-row forward costs "
+        f"{wide_cost:.1f} one-row forwards (more than {WIDE_COST_FOR_AR:g}), so WeDLM's "
+        f"windows would commit fewer tokens per second than AR; a request that names "
+        f"mode wedlm still gets WeDLM"
+    )
