@@ -1,13 +1,17 @@
 """The web console in a real browser (Debian's chromium, driven by Playwright) against a
 real local cluster: a coordinator holding layers 0-1 and two workers sharing 2-5, on
-127.0.0.1, behind an API key. Screenshots of both views go to tests/artifacts/."""
+127.0.0.1, behind an API key; and, for tokens per forward while an answer streams, a
+coordinator alone on the shared WeDLM checkpoint (skipped when ../shared is absent).
+Screenshots of both views go to tests/artifacts/."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -17,10 +21,12 @@ import pytest
 from tests.cluster_harness import (
     cluster_name,
     free_port,
+    http_coordinator,
     start_coordinator,
     start_worker,
     wait_until,
 )
+from tests.conftest import shared_model
 from wedlm_client.client import WedlmClient
 
 KEY = "console-test-key"
@@ -74,24 +80,35 @@ def cluster(checkpoint_dir, browser):
         )  # fmt: skip
         procs.append(coord)
         http = coord.expect(r"HTTP API on (http://\S+/v1)").group(1)
+        console = coord.expect(r"console on (http://\S+)").group(1)  # the start log's line
         coord.expect("serving")
         info = {"model": model, "name": name, "address": address, "http": http,
-                "root": http.removesuffix("/v1"), "workers": workers, "procs": procs}  # fmt: skip
+                "root": http.removesuffix("/v1"), "console": console, "workers": workers,
+                "procs": procs}  # fmt: skip
         yield info
     finally:
         for p in procs:
             p.stop()
 
 
-@pytest.fixture
-def page(browser, cluster):
+@contextmanager
+def new_page(browser):
+    """A fresh tab (its own sessionStorage: the key is asked again); its script errors fail."""
     context = browser.new_context(viewport={"width": 1280, "height": 900})
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda error: errors.append(str(error)))
-    yield page
-    context.close()
+    try:
+        yield page
+    finally:
+        context.close()
     assert not errors, f"the page's script failed: {errors}"
+
+
+@pytest.fixture
+def page(browser, cluster):
+    with new_page(browser) as page:
+        yield page
 
 
 def open_console(page, cluster, view: str = "cluster") -> None:
@@ -278,3 +295,154 @@ def test_killed_worker_shows_lost_replans_and_comes_back(page, cluster):
     assert page_segments(page) == status_segments(status(cluster))
     page.wait_for_timeout(1500)  # the plots take in the last seconds
     page.screenshot(path=str(ARTIFACTS / "console-cluster.png"), full_page=True)
+
+
+# What the chat view's last answer shows, recorded by a MutationObserver at every change of
+# the log (so a state that lasts a few milliseconds is still seen, whatever the speed).
+RECORD_ANSWER = """() => {
+  window.seen = [];
+  new MutationObserver(() => {
+    const msg = [...document.querySelectorAll('.msg.assistant')].pop();
+    if (!msg) return;
+    const live = msg.querySelector('.live');
+    const tpf = live && live.querySelector('.live-tpf');
+    window.seen.push({live: live ? live.className : null, text: live ? live.textContent : null,
+                      fw: msg.querySelectorAll('.fw').length, tpf: tpf ? tpf.textContent : null,
+                      done: msg.dataset.done || null});
+  }).observe(document.querySelector('#log'),
+             {subtree: true, childList: true, characterData: true, attributes: true});
+}"""
+
+
+def test_chat_says_prefilling_until_the_first_token(page, cluster):
+    open_console(page, cluster, "chat")
+    page.select_option("#mode", "ar")
+    page.fill("#max-tokens", "8")
+    page.evaluate(RECORD_ANSWER)
+    page.fill("#prompt", " ".join([QUESTION] * 4))  # a longer prompt: a longer prefill
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant[data-done]")
+    done = page.get_attribute(".msg.assistant", "data-done")
+    assert done == "done", page.inner_text(".msg.assistant")
+    seen = page.evaluate("window.seen")
+    prefilling = [s for s in seen if s["live"] == "live prefilling"]
+    assert prefilling, seen
+    assert all(s["fw"] == 0 for s in prefilling), "prefilling… shown beside a token"
+    assert re.fullmatch(r"prefilling… \d+\.\d s", prefilling[0]["text"]), prefilling[0]
+    first = next(i for i, s in enumerate(seen) if s["fw"] > 0)
+    assert seen.index(prefilling[0]) < first
+    assert seen[first]["live"] == "live decoding", seen[first]  # counts from the first token
+    # the answer's final line replaces the live one
+    assert page.locator(".msg.assistant .live").count() == 0
+    assert page.locator(".msg.assistant .stats .tpf").count() == 1
+
+
+def test_ttft_plot_has_a_point_per_request_second(page, cluster):
+    open_console(page, cluster)
+    with openai.OpenAI(base_url=cluster["http"], api_key=KEY, max_retries=0) as client:
+        client.chat.completions.create(
+            model=cluster["model"].name, max_tokens=4,
+            messages=[{"role": "user", "content": QUESTION}],
+        )  # fmt: skip
+    page.wait_for_selector("#plot-ttft .point", state="attached", timeout=15_000)
+    shown = page.inner_text("#val-ttft")
+    assert re.fullmatch(r"last \d+ ms", shown), shown
+    values = page.eval_on_selector_all("#plot-ttft .point", "els => els.map(e => +e.dataset.value)")
+    assert values and round(values[-1]) == int(shown.split()[1]), (values, shown)
+
+
+def test_the_start_logs_console_url_opens_the_console(page, cluster):
+    url = cluster["console"]
+    assert url == cluster["root"] + "/", url  # the API's host and port, at /
+    page.goto(url)
+    page.wait_for_selector("#key-dialog:not([hidden])")
+    page.fill("#key-input", KEY)
+    page.press("#key-input", "Enter")
+    page.wait_for_selector("#main:not([hidden])")
+    page.wait_for_function("document.querySelector('#model').textContent.includes('layers')")
+    assert page.inner_text("#model").startswith(cluster["model"].name)
+    assert page.title() == "wedlm-cluster console"
+
+
+def lost_age(page, member: str) -> int:
+    text = page.inner_text(f".member[data-member='{member}'] .badge")
+    m = re.fullmatch(r"lost (\d+) s ago", text)
+    assert m, text
+    return int(m.group(1))
+
+
+def test_lost_worker_age_counts_from_the_loss_and_its_error_reads_as_words(browser, cluster):
+    victim = cluster["workers"][1]
+    wait_until(lambda: status_segments(status(cluster)) == [(0, 1), (2, 3), (4, 5)], 30, "plan")
+    victim_id = next(
+        w["info"]["node_id"] for w in status(cluster)["workers"]
+        if w["address"] == victim["address"]
+    )  # fmt: skip
+    # killed while no console is open: the page opened later counts from the loss itself
+    killed = time.time()
+    os.kill(victim["proc"].popen.pid, signal.SIGKILL)
+    victim["proc"].popen.wait(10)
+    wait_until(lambda: status_segments(status(cluster)) == [(0, 1), (2, 5)], 30, "the re-plan")
+    replanned = time.time()  # the coordinator found it gone before this
+    time.sleep(4)
+    with new_page(browser) as page:
+        open_console(page, cluster)
+        card = f".member[data-member='{victim_id}']"
+        page.wait_for_selector(f"{card}[data-state=lost] .age")
+        first = lost_age(page, victim_id)
+        # at least the time since the re-plan (less the 1 s the text may lag), not "0 s"
+        assert int(time.time() - replanned) - 1 <= first <= time.time() - killed + 1, first
+        page.wait_for_function(  # and it counts up between snapshots
+            f"+document.querySelector(\"{card} .age\").textContent.split(' ')[1] > {first}",
+            timeout=10_000,
+        )  # fmt: skip
+        # the banner in words; gRPC's text behind a closed toggle
+        page.wait_for_selector(f"{card} .detail-box")
+        detail = page.inner_text(f"{card} p.detail")
+        assert detail.startswith(f"worker {victim['address']} stopped answering ("), detail
+        assert "UNAVAILABLE" not in page.inner_text("#members")
+        raw = page.locator(f"{card} details.raw")
+        assert raw.get_attribute("open") is None
+        page.click(f"{card} details.raw summary")
+        page.wait_for_timeout(1500)  # a snapshot or two re-render the card: it stays open
+        assert raw.get_attribute("open") is not None
+        code = page.inner_text(f"{card} details.raw code")
+        assert code.startswith(f"worker {victim['address']}: UNAVAILABLE: "), code
+        recoveries = page.inner_text("#recoveries")
+        assert f"worker {victim['address']} stopped answering" in recoveries, recoveries
+        page.screenshot(path=str(ARTIFACTS / "console-cluster-lost-detail.png"), full_page=True)
+
+    proc, _ = start_worker(
+        cluster["model"], cluster["name"], "--no-bonjour", "--port", str(victim["port"])
+    )
+    cluster["procs"].append(proc)
+    victim["proc"] = proc
+    wait_until(lambda: status_segments(status(cluster)) == [(0, 1), (2, 3), (4, 5)], 60, "back")
+
+
+@pytest.fixture(scope="module")
+def wedlm_root(browser):
+    """A coordinator alone (every layer in-process) on the shared WeDLM checkpoint."""
+    with http_coordinator(shared_model("wedlm-smollm2-135m-r2"), "--api-key", KEY) as c:
+        yield c.root
+
+
+def test_tokens_per_forward_counts_while_a_wedlm_answer_streams(browser, wedlm_root):
+    with new_page(browser) as page:
+        open_console(page, {"root": wedlm_root}, "chat")
+        page.select_option("#mode", "wedlm")
+        page.fill("#max-tokens", "32")
+        page.evaluate(RECORD_ANSWER)
+        page.fill("#prompt", "Count from 1 to 40, separated by commas.")
+        page.click("#send")
+        page.wait_for_selector(".msg.assistant[data-done]", timeout=300_000)
+        assert page.get_attribute(".msg.assistant", "data-done") == "done"
+        seen = page.evaluate("window.seen")
+        live = [s["tpf"] for s in seen if s["tpf"] is not None and not s["done"]]
+        assert len(set(live)) >= 2, f"tokens per forward did not change while streaming: {live}"
+        assert any(float(v) > 1 for v in live), live  # parallel commits, counted live
+        # the last live figure is the answer's own, which the final line states
+        final = page.inner_text(".msg.assistant .stats .tpf")
+        assert live[-1] == final, (live[-1], final)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "console-chat-wedlm.png"), full_page=True)

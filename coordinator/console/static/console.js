@@ -8,7 +8,8 @@ const KEY_NAME = "wedlm-console-key";
 const PALETTE = ["#60a5fa", "#f59e0b", "#34d399", "#f472b6", "#a78bfa", "#22d3ee",
                  "#fb923c", "#a3e635", "#e879f9", "#fcd34d"];
 const $ = (id) => document.getElementById(id);
-const state = { snapshot: null, colors: {}, events: null, chat: [], running: null };
+const state = { snapshot: null, colors: {}, events: null, chat: [], running: null,
+                skew: 0, open: new Set() };
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -134,20 +135,46 @@ function colorOf(id) {
   return state.colors[id];
 }
 const gib = (b) => (b / 2 ** 30).toFixed(1);
+// the server's clock now: its times (a loss, a snapshot) are on it, and a browser on
+// another machine may be seconds off
+const serverNow = () => Date.now() / 1000 + state.skew;
 const ago = (t) => {
-  const s = Math.max(0, Date.now() / 1000 - t);
+  const s = Math.max(0, serverNow() - t);
   return s < 90 ? `${s.toFixed(0)} s ago` : `${(s / 60).toFixed(0)} min ago`;
 };
+// an age that counts up every second, between snapshots too
+function age(prefix, t) {
+  return el("span", { class: "age", "data-since": t, "data-prefix": prefix }, `${prefix} ${ago(t)}`);
+}
+setInterval(() => {
+  for (const node of document.querySelectorAll(".age")) {
+    node.textContent = `${node.dataset.prefix} ${ago(Number(node.dataset.since))}`;
+  }
+}, 1000);
+
+// a human message, the raw error behind a toggle that stays open across snapshots
+function explained(cls, text, raw, key) {
+  const p = el("p", { class: cls }, text);
+  if (!raw) return p;
+  const toggle = el("details", { class: "raw", open: state.open.has(key) },
+    el("summary", { text: "details" }), el("code", { text: raw }));
+  toggle.addEventListener("toggle", () => {
+    if (toggle.open) state.open.add(key); else state.open.delete(key);
+  });
+  return el("div", { class: `${cls}-box` }, p, toggle);
+}
 const clock = (t) => new Date(t * 1000).toLocaleTimeString();
 const fmt = (v, digits = 1) => (v === null || v === undefined ? "–" : Number(v).toFixed(digits));
 
 function render(snap) {
   state.snapshot = snap;
+  state.skew = snap.time - Date.now() / 1000;
   $("model").textContent = `${snap.model} · ${snap.num_layers} layers`;
   $("state").textContent = snap.state;
   $("state").className = `badge ${snap.state}`;
   $("notice").hidden = !snap.waiting_for;
-  $("notice").textContent = snap.waiting_for ? `waiting for: ${snap.waiting_for}` : "";
+  $("notice").replaceChildren(snap.waiting_for
+    ? explained("notice-text", `waiting for: ${snap.waiting_for}`, snap.waiting_for_raw, "notice") : "");
   fillModes(snap);
   renderSummary(snap);
   renderLayers(snap);
@@ -201,6 +228,11 @@ function stateText(m) {
   if (m.state === "lost") return `lost ${ago(m.since)}`;
   return m.state;
 }
+function stateBadge(m) {
+  const badge = el("span", { class: `badge ${m.state}` });
+  badge.append(m.state === "lost" ? age("lost", m.since) : stateText(m));
+  return badge;
+}
 
 function renderMembers(snap) {
   const cards = snap.members.map((m) => {
@@ -213,7 +245,7 @@ function renderMembers(snap) {
       class: `panel member ${m.state}`, style: `--c: ${color}`, "data-member": m.id,
       "data-state": m.state, "aria-label": `${m.name}: ${stateText(m)}`,
     },
-    el("header", {}, el("h3", { text: m.name }), el("span", { class: `badge ${m.state}`, text: stateText(m) })),
+    el("header", {}, el("h3", { text: m.name }), stateBadge(m)),
     el("dl", {},
       el("dt", { text: "role" }), el("dd", { text: m.role }),
       el("dt", { text: "address" }), el("dd", { text: m.address || "–" }),
@@ -232,7 +264,7 @@ function renderMembers(snap) {
     m.role === "coordinator" ? el("div", { class: "timing" },
       el("span", { text: "in-process stage: embedding, its layers, head and sampling" })) : null,
     m.role === "worker" && m.compute_ms.length ? timingPlot(m) : null,
-    m.detail ? el("p", { class: "detail", text: m.detail }) : null);
+    m.detail ? explained("detail", m.detail, m.detail_raw, `member:${m.id}`) : null);
   });
   $("members").replaceChildren(...cards);
 }
@@ -260,13 +292,18 @@ function timingPlot(m) {
   return el("div", { class: "timing" }, box);
 }
 
+// the plots' time axis: the last 5 minutes, or since the first sample (at least a minute)
+// when that is shorter; the figures under them read the same window
+function plotWindow(snap) {
+  const times = snap.history.t;
+  const span = Math.min(300, Math.max(60, times.length ? snap.time - times[0] : 60));
+  return { t0: snap.time - span, span };
+}
+
 function plot(target, times, series, snap) {
   const box = $(target);
   box.replaceChildren();
-  // the last 5 minutes, or since the first sample (at least a minute) when that is shorter
-  const now = snap.time;
-  const span = Math.min(300, Math.max(60, times.length ? now - times[0] : 60));
-  const t0 = now - span;
+  const { t0, span } = plotWindow(snap);
   const x = (t) => ((t - t0) / span) * 300;
   let top = 0;
   for (const s of series) for (const v of s.values) if (v !== null && v > top) top = v;
@@ -282,10 +319,19 @@ function plot(target, times, series, snap) {
   }
   for (const s of series) {
     const pts = [];
-    s.values.forEach((v, i) => { if (v !== null && times[i] >= t0) pts.push(`${x(times[i]).toFixed(1)},${y(v).toFixed(1)}`); });
+    s.values.forEach((v, i) => { if (v !== null && times[i] >= t0) pts.push([x(times[i]).toFixed(1), y(v).toFixed(1), v]); });
     if (pts.length) {
-      box.append(svg("polyline", { points: pts.join(" "), fill: "none", stroke: s.color,
-        "stroke-width": 2, "vector-effect": "non-scaling-stroke" }));
+      box.append(svg("polyline", { points: pts.map(([px, py]) => `${px},${py}`).join(" "), fill: "none",
+        stroke: s.color, "stroke-width": 2, "vector-effect": "non-scaling-stroke" }));
+    }
+    // a sparse series (TTFT: a value only in seconds when a first token came) gets a dot
+    // per value: one request is one point, which a line alone does not draw
+    if (s.dots) {
+      for (const [px, py, v] of pts) {
+        const dot = svg("line", { class: "point", x1: px, x2: px, y1: py, y2: py, stroke: s.color,
+          "stroke-width": 6, "stroke-linecap": "round", "vector-effect": "non-scaling-stroke", "data-value": v });
+        box.append(dot);
+      }
     }
   }
   const title = svg("title", {});
@@ -295,20 +341,23 @@ function plot(target, times, series, snap) {
 
 function renderPlots(snap) {
   const h = snap.history;
-  const latest = (xs) => { for (let i = xs.length - 1; i >= 0; i--) if (xs[i] !== null) return xs[i]; return null; };
+  const { t0 } = plotWindow(snap);
+  const latest = (xs) => { for (let i = xs.length - 1; i >= 0 && h.t[i] >= t0; i--) if (xs[i] !== null) return xs[i]; return null; };
   plot("plot-tok", h.t, [{ values: h.tok_s, color: "#60a5fa" }], snap);
-  plot("plot-ttft", h.t, [{ values: h.ttft_ms, color: "#f59e0b" }], snap);
+  plot("plot-ttft", h.t, [{ values: h.ttft_ms, color: "#f59e0b", dots: true }], snap);
   plot("plot-load", h.t, [{ values: h.running, color: "#34d399" }, { values: h.queued, color: "#f472b6" }], snap);
   const peak = h.tok_s.length ? Math.max(...h.tok_s) : null;
   $("val-tok").textContent = `now ${fmt(latest(h.tok_s))} · peak ${fmt(peak)}`;
-  $("val-ttft").textContent = `last ${fmt(latest(h.ttft_ms), 0)} ms`;
+  const ttft = latest(h.ttft_ms);
+  $("val-ttft").textContent = ttft === null ? "no first token in this window" : `last ${fmt(ttft, 0)} ms`;
   $("val-load").textContent = `running ${snap.running} (green) · queued ${snap.queued} (pink)`;
 }
 
 function renderRecoveries(snap) {
   const items = snap.recoveries.slice().reverse().map((r) => el("li", { class: "recovery", "data-lost": r.lost },
     el("span", { class: "when", text: clock(r.at) }),
-    el("b", { text: r.lost ? "recovered" : "re-planned" }), ` in ${r.seconds.toFixed(2)} s — ${r.reason}`));
+    el("b", { text: r.lost ? "recovered" : "re-planned" }), ` in ${r.seconds.toFixed(2)} s — `,
+    explained("reason", r.reason, r.reason_raw, `recovery:${r.at}`)));
   $("recoveries").replaceChildren(...(items.length ? items : [el("li", { class: "muted", text: "none since the coordinator started" })]));
 }
 
@@ -344,6 +393,11 @@ async function send(text) {
   addMessage("user", text);
   const { node, body } = addMessage("assistant", "");
   node.setAttribute("aria-busy", "true");
+  // what the answer is doing while it streams: "prefilling… 1.2 s" until its first token
+  // (the prompt's forward, and any wait in the queue), then its counts so far
+  const live = el("span", { class: "live prefilling", role: "status",
+    title: "waiting for the first token: the queue, then the prompt's forwards" });
+  node.append(live);
   const request = {
     model: snap.model, messages: state.chat, stream: true,
     stream_options: { include_usage: true }, stream_commits: true,
@@ -360,7 +414,21 @@ async function send(text) {
   $("send").disabled = true;
   $("stop").disabled = false;
   const started = performance.now();
-  let firstAt = null, answer = "", groups = 0, forwards = 0, usage = null, finish = null, error = null;
+  let firstAt = null, answer = "", groups = 0, forwards = 0, tokens = 0, usage = null, finish = null, error = null;
+  const prefilling = () => {
+    live.replaceChildren("prefilling… ", el("b", { class: "elapsed",
+      text: `${((performance.now() - started) / 1000).toFixed(1)} s` }));
+  };
+  prefilling();
+  const ticker = setInterval(prefilling, 100);
+  // tokens per forward so far, from the forwards each commit chunk says it took
+  const decoding = () => {
+    live.className = "live decoding";
+    live.replaceChildren(el("b", { class: "live-tokens", text: tokens }), " tokens in ",
+      el("b", { class: "live-forwards", text: forwards }), " forwards · ",
+      el("b", { class: "live-tpf", text: forwards ? (tokens / forwards).toFixed(2) : "–" }),
+      " tokens/forward so far");
+  };
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST", headers: headers({ "Content-Type": "application/json" }),
@@ -381,23 +449,30 @@ async function send(text) {
       if (choice.finish_reason) finish = choice.finish_reason;
       const piece = choice.delta && choice.delta.content;
       if (!piece) continue;
-      if (firstAt === null) firstAt = performance.now();
+      if (firstAt === null) {
+        firstAt = performance.now();
+        clearInterval(ticker);
+      }
       const n = chunk.wedlm ? chunk.wedlm.forwards : 1;
-      const tokens = chunk.wedlm ? chunk.wedlm.tokens : null;
+      const count = chunk.wedlm ? chunk.wedlm.tokens : null;
       forwards += n;
+      tokens += count ?? 1;
       const span = el("span", {
-        class: `fw ${groups % 2 ? "b" : "a"}${tokens > 1 && n === 1 ? " multi" : ""}`,
-        "data-forwards": n, "data-tokens": tokens,
-        title: n === 1 ? `one forward: ${tokens} token${tokens === 1 ? "" : "s"}` : `${n} forwards: ${tokens} tokens`,
+        class: `fw ${groups % 2 ? "b" : "a"}${count > 1 && n === 1 ? " multi" : ""}`,
+        "data-forwards": n, "data-tokens": count,
+        title: n === 1 ? `one forward: ${count} token${count === 1 ? "" : "s"}` : `${n} forwards: ${count} tokens`,
       }, piece);
       body.append(span);
       groups += 1;
       answer += piece;
+      decoding();
       node.scrollIntoView({ block: "end" });
     }
   } catch (err) {
     if (!control.signal.aborted) error = err.message;
   } finally {
+    clearInterval(ticker);
+    live.remove();
     state.running = null;
     $("send").disabled = false;
     $("stop").disabled = true;
