@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from common.tokenizer import Tokenizer
 from tests.checkpoints import TOOL_CHAT_TEMPLATE
-from tests.cluster_harness import http_coordinator
+from tests.cluster_harness import cluster_name, http_coordinator, start_coordinator, start_worker
 
 K = 3
 PROMPTS = ["the cat sat on the mat and looked", "one two three four", "a"]
@@ -22,7 +22,11 @@ PROMPTS = ["the cat sat on the mat and looked", "one two three four", "a"]
 @pytest.fixture(scope="module")
 def model(checkpoint_dir):
     return checkpoint_dir(
-        "qwen2", seed=7, chat_template=TOOL_CHAT_TEMPLATE, max_position_embeddings=1024
+        "qwen2",
+        seed=7,
+        chat_template=TOOL_CHAT_TEMPLATE,
+        max_position_embeddings=1024,
+        num_hidden_layers=4,
     )
 
 
@@ -54,6 +58,27 @@ def reference(model):
         return torch.log_softmax(logits, dim=-1)
 
     return logprobs
+
+
+@pytest.fixture(scope="module")
+def cluster(model):
+    """The coordinator holding layers 0-1, a worker the last ones (it returns the hidden
+    states the coordinator's head reads)."""
+    name, procs = cluster_name(), []
+    try:
+        worker, address = start_worker(model, name, "--layers", "2-3", "--no-bonjour")
+        procs.append(worker)
+        coord, _ = start_coordinator(
+            model, name, "--no-bonjour", "--worker", address, "--expect", "1",
+            "--layers", "0-1", "--http-port", "0",
+        )  # fmt: skip
+        procs.append(coord)
+        http = coord.expect(r"HTTP API on (http://\S+/v1)").group(1)
+        coord.expect("serving")
+        yield {"http": http, "model": model.name}
+    finally:
+        for p in procs:
+            p.stop()
 
 
 def _complete(client, server, **kw):
@@ -230,3 +255,20 @@ def test_tokenize_refusals_are_400(server, path, body, param):
     assert reply.json()["error"]["param"] == param, reply.json()
     wrong = httpx.post(f"{server['root']}/tokenize", json={"model": "other", "prompt": "x"})
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+
+
+def test_echo_logprobs_through_a_worker(cluster, tokenizer, reference):
+    """Scored prompt rows come back from the last worker (every slot of the forward) in a
+    batch of prompts of several lengths."""
+    with openai.OpenAI(base_url=cluster["http"], api_key="x", max_retries=0, timeout=60) as c:
+        answer = c.completions.create(
+            model=cluster["model"], prompt=PROMPTS, max_tokens=2, echo=True, logprobs=K,
+            extra_body={"mode": "ar"},
+        )  # fmt: skip
+    for prompt, choice in zip(PROMPTS, answer.choices, strict=True):
+        ids = tokenizer.encode(prompt)
+        ref = reference(ids)
+        got = choice.logprobs.token_logprobs[1 : len(ids)]
+        assert got == pytest.approx([float(ref[n - 1, ids[n]]) for n in range(1, len(ids))],
+                                    abs=1e-4)  # fmt: skip
+        assert choice.text.startswith(prompt)

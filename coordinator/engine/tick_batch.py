@@ -28,15 +28,21 @@ class TickBatch:
     def wants_head(self) -> bool:
         return self.head_slots.shape[1] > 0
 
-    def reply_slots(self) -> np.ndarray:
-        """[rows incl. padding, K + S]: the slots whose final hidden states the head needs
-        (the head slots, then the scored prompt rows); the last worker returns only these
-        (none for a prefill chunk without logits)."""
-        k, s = self.head_slots.shape[1], self.score_slots.shape[1]
-        slots = np.zeros((self.spec.num_rows, k + s), dtype=np.int32)
-        slots[: len(self.plans), :k] = self.head_slots
-        slots[: len(self.plans), k:] = self.score_slots
+    def reply_slots(self) -> np.ndarray | None:
+        """[rows incl. padding, K]: the slots whose final hidden states the head needs;
+        the last worker returns only these (none for a prefill chunk without logits).
+        None (every slot) when prompt rows are scored: they are most of a chunk, and K + S
+        slots may be more than the forward's width (a worker refuses that); the engine
+        takes wanted_slots() from them."""
+        if self.score_slots.shape[1]:
+            return None
+        slots = np.zeros((self.spec.num_rows, self.head_slots.shape[1]), dtype=np.int32)
+        slots[: len(self.plans)] = self.head_slots
         return slots
+
+    def wanted_slots(self) -> np.ndarray:
+        """[rows, K + S]: the head slots, then the scored prompt rows."""
+        return np.concatenate([self.head_slots, self.score_slots], axis=1)
 
     def _column(self, get, default, dtype) -> mx.array:
         """One decoding parameter per row as a device array (idle rows get `default`)."""
