@@ -50,6 +50,8 @@ def wire_model_memory() -> None:
     working set wired (resident), so the weights are not paged out between forwards.
     A no-op where the device reports no recommended size (CPU, CUDA). Call once, from the
     thread that owns MLX, before loading weights."""
+    if not mx.metal.is_available():  # the no-op, without importing mlx_lm.utils (seconds:
+        return  # it imports transformers, and with it torch where that is installed)
     from mlx_lm.utils import maybe_set_recommended_wired_limit
 
     maybe_set_recommended_wired_limit()

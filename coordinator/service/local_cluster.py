@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import secrets
@@ -27,6 +28,12 @@ from wedlm_client.client import WedlmClient
 
 START_TIMEOUT_S = 600.0
 PROGRESS_EVERY_S = 5.0  # the terminal hears from a start at least this often
+DOING = {  # the coordinator's state before readiness, in words
+    "waiting-for-workers": "waiting for the workers to answer",
+    "planning": "planning which layers each process holds, loading them",
+    "warming-up": "warming up: running each first forward shape once",
+    "measuring": "measuring what a forward of several rows costs here",
+}
 
 
 def start_worker(
@@ -69,12 +76,9 @@ def run_local(args: argparse.Namespace) -> int:
         start_worker(model, cluster, secret, logs / f"worker-{i}.log", tls_flags)
         for i in range(args.workers)
     ]
-    say(f"starting {args.workers} worker processes on 127.0.0.1 (their logs: {logs})")
+    say(f"started {args.workers} worker processes on 127.0.0.1 (their logs: {logs})")
     server = None
     try:
-        with still_working("waiting for the workers to start"):
-            for i, proc in enumerate(procs):
-                say(_await_listening(proc, logs / f"worker-{i}.log"))
         opts = serve_options(
             args,
             model=model,
@@ -86,8 +90,12 @@ def run_local(args: argparse.Namespace) -> int:
             state_dir=args.state_dir if str(args.state_dir or "none") != "none" else None,
             tls=tls,
         )
+        # the coordinator loads its parts while the workers start (each its own process)
         with still_working("loading the model's embedding, head and tokenizer"):
             server = CoordinatorServer(opts)
+        with still_working("waiting for the workers to start"):
+            for i, proc in enumerate(procs):
+                say(_await_listening(proc, logs / f"worker-{i}.log"))
         server.start()
         _await_ready(server)
         if server.failed or not server.ready.is_set():
@@ -150,9 +158,8 @@ def _await_ready(server: CoordinatorServer) -> None:
             return
         if now - said >= PROGRESS_EVERY_S:
             said = now
-            waiting = server.cluster_status().waiting_for
-            say(f"coordinator {server.state}{': ' + waiting if waiting else ''} "
-                f"({now - started:.0f} s)")  # fmt: skip
+            doing = DOING.get(server.state, f"the coordinator is {server.state}")
+            say(f"{doing} ({now - started:.0f} s)")
 
 
 def _answer(address: str, args: argparse.Namespace) -> None:
@@ -160,8 +167,11 @@ def _answer(address: str, args: argparse.Namespace) -> None:
     ids = list(args.prompt_ids) if args.prompt_ids else None
     tls = load_tls(args.tls_cert, args.tls_key, args.tls_ca)
     with WedlmClient(address, tls=tls, api_key=args.api_key) as client:
+        events = client.generate_stream(args.prompt, ids, args.chat, params)
+        with still_working("reading the prompt"):  # its prefill comes before any token
+            first = next(events, None)
         final = {}
-        for event in client.generate_stream(args.prompt, ids, args.chat, params):
+        for event in itertools.chain([first] if first is not None else [], events):
             if event[0] == "tokens" and not args.json and event[2]:
                 sys.stdout.write(event[2])
                 sys.stdout.flush()
@@ -176,6 +186,7 @@ def _not_ready(server: CoordinatorServer) -> str:
     why = {
         "waiting-for-workers": f"the workers were not found{detail}",
         "planning": f"the layers were not assigned{detail}",
-        "warming-up": "the warm-up (compiling shapes, pricing drafts) did not finish",
+        "warming-up": "the warm-up (running each first forward shape once) did not finish",
+        "measuring": "measuring what a forward of several rows costs did not finish",
     }.get(state, f"the coordinator was {state}")
     return f"not ready after {START_TIMEOUT_S:g} s: {why}"

@@ -288,6 +288,9 @@ def main(argv: Seq[str] | None = None) -> int:
         if args.command == "serve":
             apply_config(args, args.subparser)
             return serve(args)
+        # the first line at once: the imports below take seconds on a small machine
+        print(f"{parser.prog} local: starting {args.workers} workers and a coordinator "
+              f"on this machine with model {args.model}", file=sys.stderr, flush=True)  # fmt: skip
         from coordinator.service.local_cluster import run_local
 
         return run_local(args)
