@@ -25,6 +25,7 @@ from common.generation_params import GenerationParams
 from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, open_channel
+from wedlm_client.port_hint import answered_http1, http_port_hint
 from wedlm_client.request_building import request_from_params
 
 
@@ -78,6 +79,7 @@ class WedlmClient:
         self.channel = open_channel(address, tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        self.api_key = key
         self.metadata = (("authorization", f"Bearer {key}"),) if key else None
 
     def close(self) -> None:
@@ -95,7 +97,15 @@ class WedlmClient:
                 request, timeout=timeout or self.timeout, metadata=self.metadata
             )
         except grpc.RpcError as e:
-            raise ClusterError(e.code(), e.details() or "") from None
+            raise self._error(e) from None
+
+    def _error(self, e: grpc.RpcError) -> ClusterError:
+        """The error of a failed call; every call's failures pass here, so that a gRPC
+        call to an HTTP port says which port to use instead of gRPC's HTTP/2 parse error."""
+        code, details = e.code(), e.details() or ""
+        if code == grpc.StatusCode.UNAVAILABLE and answered_http1(details):
+            details = http_port_hint(self.address, self.api_key) or details
+        return ClusterError(code, details)
 
     def generate_stream(
         self,
@@ -117,7 +127,7 @@ class WedlmClient:
                 else:
                     yield ("final", final_dict(event.final))
         except grpc.RpcError as e:
-            raise ClusterError(e.code(), e.details() or "") from None
+            raise self._error(e) from None
 
     def generate(
         self, text=None, ids=None, chat=False, params=None, output_format=None

@@ -4,50 +4,75 @@ from __future__ import annotations
 
 from typing import Any
 
+COLUMNS = ("member", "layers", "health", "mem used/total GiB", "hop ms", "device")
+
 
 def _gib(value: Any) -> str:
     return f"{int(value or 0) / 2**30:.1f}"
+
+
+def _memory(info: dict[str, Any]) -> str:
+    """Used/total GiB, as the web console shows it ("-" when the member said nothing)."""
+    total = int(info.get("memory_total", 0))
+    if not total:
+        return "-"
+    return f"{_gib(total - int(info.get('memory_available', 0)))}/{_gib(total)}"
+
+
+def coordinator_row(status: dict[str, Any]) -> list[str]:
+    """The coordinator is a member too: it holds the first layers (local_layers)."""
+    me = status.get("coordinator", {})
+    who = f"coordinator {me['address']}" if me.get("address") else "coordinator"
+    return [who, status.get("local_layers") or "-", status.get("state", ""), _memory(me), "-",
+            me.get("device", "")]  # fmt: skip
+
+
+def worker_row(w: dict[str, Any]) -> list[str]:
+    info = w.get("info", {})
+    held = info.get("has_layers")
+    layers = f"{info.get('layer_start', 0)}-{info.get('layer_end', 0)}" if held else "-"
+    hop = w.get("timing", {}).get("roundtrip_s")
+    return [w.get("address", ""), layers, w.get("health", ""), _memory(info),
+            f"{hop * 1000:.2f}" if hop else "-", info.get("device", "")]  # fmt: skip
+
+
+def member_table(rows: list[list[str]]) -> list[str]:
+    """Columns as wide as their widest cell; the device last and whole (it may be long)."""
+    widths = [max(len(r[i]) for r in [list(COLUMNS), *rows]) for i in range(len(COLUMNS) - 1)]
+
+    def line(cells: list[str]) -> str:
+        head = [c.rjust(w) if i in (3, 4) else c.ljust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=False))]  # fmt: skip
+        return "  ".join([*head, cells[-1]]).rstrip()
+
+    return [line(list(COLUMNS)), *(line(r) for r in rows)]
 
 
 def format_status(status: dict[str, Any]) -> str:
     lines = [
         f"cluster {status.get('cluster', '')}: {status.get('state', '')}, "
         f"{status.get('running', 0)} running, {status.get('queued', 0)} queued",
-        f"{'worker':24} {'layers':8} {'health':12} {'device':24} {'mem GiB':>9} {'hop ms':>7}",
     ]
+    if status.get("plan_note"):
+        lines.append(f"plan: {status['plan_note']}")
+    if status.get("waiting_for"):
+        lines.append(f"waiting for: {status['waiting_for']}")
+    if status.get("local_layers"):
+        lines.append(f"plan {status.get('plan_epoch', 0)}: the coordinator holds layers "
+                     f"{status['local_layers']}")  # fmt: skip
     if status.get("max_running"):
         budget = int(status.get("kv_budget_tokens", 0))
         why = status.get("max_running_reason") or status["max_running"]
-        lines.insert(1, f"decoding up to {why}; KV budget "
-                        f"{f'{budget:,} tokens' if budget else 'not measured'}; "
-                        f"mode auto = {status.get('default_mode', '?')}")  # fmt: skip
-    if status.get("local_layers"):
-        lines.insert(1, f"plan {status.get('plan_epoch', 0)}: the coordinator holds layers "
-                        f"{status['local_layers']}")  # fmt: skip
-    if status.get("waiting_for"):
-        lines.insert(1, f"waiting for: {status['waiting_for']}")
-    if status.get("plan_note"):
-        lines.insert(1, f"plan: {status['plan_note']}")
+        lines.append(f"decoding up to {why}; KV budget "
+                     f"{f'{budget:,} tokens' if budget else 'not measured'}; "
+                     f"mode auto = {status.get('default_mode', '?')}")  # fmt: skip
+    rows, notes = [coordinator_row(status)], {}
     for w in status.get("workers", []):
-        info = w.get("info", {})
-        layers = (
-            f"{info.get('layer_start', 0)}-{info.get('layer_end', 0)}"
-            if info.get("has_layers")
-            else "-"
-        )
-        hop = w.get("timing", {}).get("roundtrip_s")
-        mem = f"{_gib(info.get('memory_available'))}/{_gib(info.get('memory_total'))}"
-        lines.append(
-            f"{w.get('address', ''):24} {layers:8} {w.get('health', ''):12} "
-            f"{info.get('device', '')[:24]:24} {mem:>9} "
-            f"{(f'{hop * 1000:.2f}' if hop else '-'):>7}"
-        )
-        if w.get("detail"):
-            lines.append(f"    {w['detail']}")
-        if w.get("group_leader"):
-            lines.append("    " + format_member(w))
-        elif info.get("group_error"):
-            lines.append(f"    tensor group did not form: {info['group_error']}")
+        rows.append(worker_row(w))
+        notes[len(rows) - 1] = worker_notes(w)
+    for i, text in enumerate(member_table(rows)):
+        lines.append(text)
+        lines += notes.get(i - 1, [])  # the header is line 0
     lines += format_links(status)
     for f in status.get("fetches", []):
         lines.append(format_fetch(f))
@@ -56,6 +81,18 @@ def format_status(status: dict[str, Any]) -> str:
     if "limits" in status:
         lines.append(format_limits(status["limits"]))
     return "\n".join(lines)
+
+
+def worker_notes(w: dict[str, Any]) -> list[str]:
+    """The indented lines under a worker's row: why it was rejected, its tensor group."""
+    info, out = w.get("info", {}), []
+    if w.get("detail"):
+        out.append(f"    {w['detail']}")
+    if w.get("group_leader"):
+        out.append("    " + format_member(w))
+    elif info.get("group_error"):
+        out.append(f"    tensor group did not form: {info['group_error']}")
+    return out
 
 
 def format_links(status: dict[str, Any]) -> list[str]:

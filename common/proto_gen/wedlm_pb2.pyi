@@ -554,7 +554,7 @@ class WorkerStatus(_message.Message):
     def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., address: _Optional[str] = ..., source: _Optional[str] = ..., health: _Optional[str] = ..., detail: _Optional[str] = ..., timing: _Optional[_Union[HopTiming, _Mapping]] = ..., group_leader: _Optional[str] = ...) -> None: ...
 
 class ClusterStatusReply(_message.Message):
-    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches", "prefix_cache", "max_running", "max_running_reason", "default_mode", "kv_budget_tokens", "plan_note", "links", "read_bandwidth", "limits")
+    __slots__ = ("cluster", "state", "workers", "running", "queued", "model_identity", "waiting_for", "local_layers", "plan_epoch", "fetches", "prefix_cache", "max_running", "max_running_reason", "default_mode", "kv_budget_tokens", "plan_note", "links", "read_bandwidth", "limits", "coordinator")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -574,6 +574,7 @@ class ClusterStatusReply(_message.Message):
     LINKS_FIELD_NUMBER: _ClassVar[int]
     READ_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     state: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -593,7 +594,22 @@ class ClusterStatusReply(_message.Message):
     links: _containers.RepeatedCompositeFieldContainer[LinkFigures]
     read_bandwidth: float
     limits: RequestLimits
-    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., max_running: _Optional[int] = ..., max_running_reason: _Optional[str] = ..., default_mode: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ..., plan_note: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkFigures, _Mapping]]] = ..., read_bandwidth: _Optional[float] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ...) -> None: ...
+    coordinator: CoordinatorMember
+    def __init__(self, cluster: _Optional[str] = ..., state: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., running: _Optional[int] = ..., queued: _Optional[int] = ..., model_identity: _Optional[str] = ..., waiting_for: _Optional[str] = ..., local_layers: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., fetches: _Optional[_Iterable[_Union[LayerFetch, _Mapping]]] = ..., prefix_cache: _Optional[_Union[PrefixCacheStatus, _Mapping]] = ..., max_running: _Optional[int] = ..., max_running_reason: _Optional[str] = ..., default_mode: _Optional[str] = ..., kv_budget_tokens: _Optional[int] = ..., plan_note: _Optional[str] = ..., links: _Optional[_Iterable[_Union[LinkFigures, _Mapping]]] = ..., read_bandwidth: _Optional[float] = ..., limits: _Optional[_Union[RequestLimits, _Mapping]] = ..., coordinator: _Optional[_Union[CoordinatorMember, _Mapping]] = ...) -> None: ...
+
+class CoordinatorMember(_message.Message):
+    __slots__ = ("name", "address", "device", "memory_total", "memory_available")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    device: str
+    memory_total: int
+    memory_available: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., memory_total: _Optional[int] = ..., memory_available: _Optional[int] = ...) -> None: ...
 
 class RequestLimits(_message.Message):
     __slots__ = ("max_request_bytes", "context_tokens", "max_prompt_chars")

@@ -619,6 +619,10 @@ class CoordinatorServer:
             )  # fmt: skip
             if e.info is not None:
                 status.info.CopyFrom(e.info)
+            if e.link is not None and (beat := e.link.latest_info) is not None:
+                # memory now, as the console shows it (e.info is from the plan's Assign)
+                status.info.memory_total = beat.memory_total
+                status.info.memory_available = beat.memory_available
             if e.link is not None and e.link.stats.roundtrip_s:
                 status.timing.compute_s = statistics.median(e.link.stats.compute_s)
                 status.timing.roundtrip_s = statistics.median(e.link.stats.roundtrip_s)
