@@ -24,6 +24,7 @@ from common.proto_gen import wedlm_pb2 as pb
 from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 from common.tls import TlsConfig, open_channel
 from shard_worker.layer_cache import LayerCache, sha256_file
+from shard_worker.worker_terminal import WorkerTerminal
 
 log = logging.getLogger(__name__)
 SERVICE = "/wedlm.v1.ModelSource/"
@@ -57,18 +58,24 @@ class LayerFetcher:
         tls: TlsConfig | None,
         node_id: str,
         max_bytes_per_s: float | None = None,
+        terminal: WorkerTerminal | None = None,
     ) -> None:
         self.cache = cache
         self.secret = secret
         self.tls = tls
         self.node_id = node_id
         self.max_bytes_per_s = max_bytes_per_s  # --fetch-limit-mbps: leave the network room
+        self.terminal = terminal  # where the fetch's start and end are said (None: nowhere)
 
-    def fetch(self, source: str, identity: str, layers: LayerRange) -> ModelConfig:
-        """Make `layers` of model `identity` complete in the cache; return its config."""
+    def fetch(
+        self, source: str, identity: str, layers: LayerRange, ahead: bool = False
+    ) -> ModelConfig:
+        """Make `layers` of model `identity` complete in the cache; return its config.
+        `ahead`: before the re-plan that takes this worker in (its terminal says so)."""
         channel = open_channel(source, self.tls, CHANNEL_OPTIONS)
         try:
-            return self._fetch(pb_grpc.ModelSourceStub(channel), source, identity, layers)
+            stub = pb_grpc.ModelSourceStub(channel)
+            return self._fetch(stub, source, identity, layers, ahead)
         finally:
             channel.close()
 
@@ -81,7 +88,9 @@ class LayerFetcher:
                 f"fetching layers from {source}: {e.code().name}: {e.details()}", e.code()
             ) from None
 
-    def _fetch(self, stub, source: str, identity: str, layers: LayerRange) -> ModelConfig:
+    def _fetch(
+        self, stub, source: str, identity: str, layers: LayerRange, ahead: bool
+    ) -> ModelConfig:
         cache = self.cache
         present = cache.cached_layers(identity)
         wanted = list(layers)
@@ -107,13 +116,19 @@ class LayerFetcher:
                 cache.drop_file(path)
             todo.append(layer)
         cache.touch(identity)
+        name = manifest.model_name or identity
         if not todo:
+            if self.terminal is not None:
+                self.terminal.cached(layers, name)
             return config
         sizes = {i: files[i].size for i in wanted}
         partial = {i: self._part_size(identity, i, sizes[i]) for i in todo}
         need = sum(sizes[i] - partial[i] for i in todo)
         cache.make_room(identity, layers, sum(sizes.values()), need)
         log.info("fetching layers %s from %s: %.1f MB", layers, source, need / 1e6)
+        if self.terminal is not None:
+            self.terminal.fetching(layers, name, source, need, len(todo), ahead)
+        started = time.monotonic()
         pace = _Pace(self.max_bytes_per_s)  # one budget for all streams
         with (
             _progress_bar(need, f"layers {layers}") as bar,
@@ -127,6 +142,8 @@ class LayerFetcher:
             for done in fetches:
                 done.result()  # the first failure is raised (the others finish or fail too)
         cache.touch(identity)
+        if self.terminal is not None:
+            self.terminal.fetched(layers, name, need, time.monotonic() - started)
         return config
 
     def _report(self, stub, source: str, identity: str, total: int, received: int) -> None:

@@ -40,6 +40,7 @@ from shard_worker.layer_fetch import FetchError, LayerFetcher
 from shard_worker.mlx_thread import MLXThread, QueueFull, ThreadStopped
 from shard_worker.peer_probe import PeerProbe
 from shard_worker.stage_route import Failure, Plan, ReplyChannel, StageRoute
+from shard_worker.worker_terminal import WorkerTerminal
 
 log = logging.getLogger(__name__)
 _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):\d{1,5}")
@@ -101,6 +102,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         group_host: str = "127.0.0.1",
         rdma_ports: list[RdmaPort] | None = None,
         peer_probe: PeerProbe | None = None,
+        terminal: WorkerTerminal | None = None,
     ) -> None:
         self.route = route
         self.identity = identity
@@ -117,6 +119,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.group_port = free_port(group_host)  # where its next group process listens
         self.peer_probe = peer_probe or PeerProbe(None, None)
         self.read_bandwidth = 0.0  # bytes/s, measured at the first ProbeLink
+        self.terminal = terminal or WorkerTerminal(identity.node_id)  # its state, as it changes
+        if fetcher is not None and fetcher.terminal is None:
+            fetcher.terminal = self.terminal
 
     @property
     def config(self) -> ModelConfig | None:
@@ -126,6 +131,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def Forward(self, request_iterator, context):
         """The coordinator's stream. Its requests enter this stage; replies (when this is
         the last stage) and a broken relay come back on it."""
+        self.terminal.heard()
         channel = self.route.attach()
         reader = threading.Thread(
             target=self._take_all, args=(request_iterator, channel), daemon=True
@@ -234,6 +240,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.route.deliver(plan, request, reply, hidden, origin)
 
     def Route(self, request: pb.RouteRequest, context) -> pb.WorkerInfo:
+        self.terminal.heard()
         for name in ("next_stage", "prev_stage"):
             value = getattr(request, name)
             if value and not _ADDRESS.fullmatch(value):
@@ -244,9 +251,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.route.follow(Plan(request.plan_epoch, request.next_stage, request.prev_stage))
         except Exception as e:
             self._abort(context, e)
+        if (held := self.layers.state.layer_range) is not None:
+            self.terminal.serving(held, self.model_name, request.plan_epoch, request.next_stage)
         return self.info()
 
     def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseReply:
+        self.terminal.heard()
         try:
             released = self.mlx.submit(self.layers.release, list(request.seq_ids)).result()
         except Exception as e:
@@ -254,6 +264,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.ReleaseReply(released=released, kv_sequences=self.layers.state.kv_sequences)
 
     def Assign(self, request: pb.AssignRequest, context) -> pb.WorkerInfo:
+        self.terminal.heard()
         start, end = request.layer_start, request.layer_end
         if start < 0 or end < start:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid layer range {start}-{end}")
@@ -266,6 +277,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"this worker was started with --layers {fixed} and cannot take {wanted}",
             )
+        if not request.fetch_only:
+            self._say_assigned(request, wanted, context)
         if self.fetcher is not None:
             config = self._fetch(request, wanted, context)
             if request.fetch_only:
@@ -297,6 +310,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self.group_port = free_port(self.group_host)
             self.on_layers_changed()
         return self.info()
+
+    def _say_assigned(self, request: pb.AssignRequest, wanted: LayerRange, context) -> None:
+        """The terminal's line for an Assign that changes what this worker holds (one for
+        the range it holds already, under a re-plan, would say nothing new)."""
+        identity = self._identity_of(context)
+        same_model = self.config is not None and (
+            self.fetcher is None or self.config.identity == identity
+        )
+        before = self.layers.state.layer_range if same_model else None
+        if before == wanted:
+            return
+        model = self.model_name if same_model else ""
+        if not model and self.fetcher is not None:  # known when it fetched this model before
+            name = self.fetcher.cache.model_name(identity)
+            model = name if name != identity else ""
+        self.terminal.assigned(wanted, model, self._source_of(request, context), before)
 
     def _group(self, request: pb.AssignRequest, context) -> GroupSpec | None:
         """The tensor group the Assign names, checked (None: hold the range alone)."""
@@ -333,29 +362,41 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def _fetch(self, request: pb.AssignRequest, wanted: LayerRange, context) -> ModelConfig:
         """The coordinator's model with `wanted` complete in the cache (fetched if missing)."""
-        identity = dict(context.invocation_metadata() or ()).get(MODEL_KEY, "")
-        source = request.model_source
+        identity = self._identity_of(context)
+        source = self._source_of(request, context)
         if not source:
             context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "this worker fetches its layers, but the coordinator named no model source",
             )
-        if source.startswith(":"):  # the coordinator's port at the address it called from
-            source = _peer_host(context.peer()) + source
         if not _ADDRESS.fullmatch(source):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"model_source {source!r} is not HOST:PORT"
             )
         with self._fetching:
             try:
-                config = self.fetcher.fetch(source, identity, wanted)
+                config = self.fetcher.fetch(source, identity, wanted, request.fetch_only)
             except Exception as e:
                 log.warning("fetching layers %s from %s failed: %s", wanted, source, e)
                 self._abort(context, e)
         self.model_name = self.fetcher.cache.model_name(identity)
         return config
 
+    @staticmethod
+    def _identity_of(context) -> str:
+        """The model the calling coordinator serves (its call's metadata)."""
+        return dict(context.invocation_metadata() or ()).get(MODEL_KEY, "")
+
+    @staticmethod
+    def _source_of(request: pb.AssignRequest, context) -> str:
+        """The coordinator's ModelSource address ("" when it named none)."""
+        source = request.model_source
+        if source.startswith(":"):  # the coordinator's port at the address it called from
+            source = _peer_host(context.peer()) + source
+        return source
+
     def Info(self, request: pb.InfoRequest, context) -> pb.WorkerInfo:
+        self.terminal.heard()  # the coordinator's heartbeat, each second while in its plan
         return self.info()
 
     # ---- link survey (--tp auto) ----------------------------------------------------
