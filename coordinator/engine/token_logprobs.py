@@ -97,10 +97,12 @@ def prompt_scores(
         targets[r, :n] = p.seq.prompt[p.score_start : p.score_start + n]
     padded = rows + [rows[0]] * (row_bucket(len(rows)) - len(rows))
     raw = head(hidden[mx.array(padded)]).astype(mx.float32)[: len(rows)]
-    logp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(logp, mx.array(targets)[..., None], axis=-1)[..., 0]
-    ids, values = _top(logp, max(plans[i].seq.params.logprobs or 0 for i in rows))
-    return PromptScores(rows, chosen, ids, values)
+    # [R, S, V] is a chunk's rows times the vocabulary: no second array of that size
+    # (log-softmax), the normalizer is subtracted from what is taken
+    lse = mx.logsumexp(raw, axis=-1)
+    chosen = mx.take_along_axis(raw, mx.array(targets)[..., None], axis=-1)[..., 0] - lse
+    ids, values = _top(raw, max(plans[i].seq.params.logprobs or 0 for i in rows))
+    return PromptScores(rows, chosen, ids, values - lse[..., None])
 
 
 def record_prompt(found: PromptScores, plans: list[RowPlan]) -> None:
