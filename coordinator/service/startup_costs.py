@@ -151,9 +151,9 @@ class StartupCosts:
         )  # fmt: skip
 
     def _keep(self, run: StepCostRun) -> None:
-        log_measured(run)
         if self.store is not None and run.ratios:
             self.store.save(self._key(), run.ratios, run.spent_s)
+        log_measured(run)
 
 
 def _ago(seconds: float) -> str:
