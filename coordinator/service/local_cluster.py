@@ -28,12 +28,6 @@ from wedlm_client.client import WedlmClient
 
 START_TIMEOUT_S = 600.0
 PROGRESS_EVERY_S = 5.0  # the terminal hears from a start at least this often
-DOING = {  # the coordinator's state before readiness, in words
-    "waiting-for-workers": "waiting for the workers to answer",
-    "planning": "planning which layers each process holds, loading them",
-    "warming-up": "warming up: running each first forward shape once",
-    "measuring": "measuring what a forward of several rows costs here",
-}
 
 
 def start_worker(
@@ -158,8 +152,7 @@ def _await_ready(server: CoordinatorServer) -> None:
             return
         if now - said >= PROGRESS_EVERY_S:
             said = now
-            doing = DOING.get(server.state, f"the coordinator is {server.state}")
-            say(f"{doing} ({now - started:.0f} s)")
+            say(f"{server.doing()} ({now - started:.0f} s)")
 
 
 def _answer(address: str, args: argparse.Namespace) -> None:

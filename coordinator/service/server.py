@@ -73,6 +73,12 @@ MODEL_SOURCE = "/wedlm.v1.ModelSource/"
 # the modes a request may name, by kind of model (the console's mode selector)
 MODES_OF = {"diffusion": ("auto", "diffusion"), "causal": ("auto", "wedlm", "ar", "speculative")}
 STOP_TIMEOUT_S = 60.0  # for the engine thread's tick in progress, at stop
+STARTING_WORDS = {  # each state before readiness, in words (CoordinatorServer.doing)
+    "waiting-for-workers": "waiting for the workers to answer",
+    "planning": "planning which layers each process holds, and loading them",
+    "warming-up": "warming up: running each first forward shape once",
+    "measuring": "measuring what a forward of several rows costs here",
+}
 
 
 def _last_ms(values, n: int = 40) -> list[float]:
@@ -679,6 +685,10 @@ class CoordinatorServer:
             evictions=stats.evictions,
             block_tokens=cache.block,
         )
+
+    def doing(self) -> str:
+        """What the coordinator is doing before readiness, in words (the start's log)."""
+        return STARTING_WORDS.get(self.state, f"the coordinator is {self.state}")
 
     def _waiting_for(self) -> str:
         if self.loop is not None and self.loop.dead:

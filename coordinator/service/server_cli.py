@@ -170,11 +170,15 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         raise WedlmError("--model is required (on the command line or in --config)")
 
 
+PROGRESS_EVERY_S = 5.0  # a start says what it is doing at least this often
+
+
 def serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT (exit 0: drained when serving, at once while starting)
     or until the engine cannot go on (exit 1)."""
     signals = StopSignals()
     server = None
+    print(f"wedlm-coordinator: loading {args.model} (tokenizer, embedding, head)", flush=True)
     try:
         server = _build_server(args)
         signals.raising = False
@@ -194,8 +198,11 @@ def serve(args: argparse.Namespace) -> int:
             f"wedlm-coordinator metrics on http://{args.host}:{server.metrics_port}/metrics",
             flush=True,
         )
+    started = said = time.monotonic()
     while not server.ready.wait(SIGNAL_POLL_S) and not signals.received:
-        pass
+        if (now := time.monotonic()) - said >= PROGRESS_EVERY_S:  # never a silent minute
+            said = now
+            print(f"wedlm-coordinator: {server.doing()} ({now - started:.0f} s)", flush=True)
     if signals.received and (not server.ready.is_set() or server.failed):
         return _stop_starting(server, signals)
     if server.failed:
