@@ -149,6 +149,20 @@ def test_echo_without_logprobs_and_streamed(client, server):
             assert [v for p in parts for v in p.token_logprobs] == listed.token_logprobs
 
 
+def test_echo_only_streamed(client, server, tokenizer):
+    args = {"prompt": PROMPTS[0], "max_tokens": 0, "echo": True, "logprobs": 1}
+    whole = _complete(client, server, **args)
+    chunks = list(_complete(client, server, stream=True, stream_options={"include_usage": True},
+                            **args))  # fmt: skip
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in parts) == PROMPTS[0] == whole.choices[0].text
+    assert parts[-1].finish_reason == "length"
+    tokens = [t for p in parts if p.logprobs for t in p.logprobs.tokens]
+    assert tokens == whole.choices[0].logprobs.tokens
+    assert len(tokens) == len(tokenizer.encode(PROMPTS[0]))
+    assert chunks[-1].usage.completion_tokens == 0
+
+
 def test_a_list_of_prompts_answers_each_as_alone(client, server, tokenizer):
     args = {"max_tokens": 6, "extra_body": {"mode": "ar"}}
     alone = [_complete(client, server, prompt=p, **args) for p in PROMPTS]
