@@ -3,7 +3,8 @@ process against a tiny OpenAI-compatible HTTP server on 127.0.0.1 that streams i
 completions one chunk a second (or sends no headers at all for a minute). The run ends
 soon after --duration, says that no request finished inside the window and how long the
 cut ones ran, suggests --requests, prints no "None" and writes no empty plot; the server
-sees the cut requests' connections close."""
+sees the cut requests' connections close. The same against a slow gRPC coordinator (a
+real gRPC server that streams a token a second): its streams are cancelled."""
 
 from __future__ import annotations
 
@@ -16,7 +17,11 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import grpc
 import pytest
+
+from common.proto_gen import wedlm_pb2 as pb
+from common.proto_gen import wedlm_pb2_grpc as pb_grpc
 
 WEDLM = [sys.executable, "-m", "wedlm_client.cli", "bench", "serve"]
 CHUNKS = 60  # a chunk a second: a completion takes a minute
@@ -148,3 +153,56 @@ def test_a_server_slower_than_the_window(server: SlowServer, tmp_path: Path):
     while len(server.left) < server.started and time.monotonic() < deadline:
         time.sleep(0.2)
     assert server.started == 2 and len(server.left) == 2, (server.started, server.left)
+
+
+class SlowCoordinator(pb_grpc.CoordinatorServicer):
+    """Generate streams a token a second; what the bench asks besides fails (its label
+    says so)."""
+
+    def __init__(self) -> None:
+        self.started, self.cancelled = 0, 0
+        self.lock = threading.Lock()
+
+    def Generate(self, request, context):
+        with self.lock:
+            self.started += 1
+        for _ in range(CHUNKS):
+            if not context.is_active():
+                break
+            yield pb.GenerateEvent(tokens=pb.TokenChunk(ids=[1], text="a"))
+            time.sleep(1.0)
+        if not context.is_active():
+            with self.lock:
+                self.cancelled += 1
+
+
+def test_a_slow_grpc_coordinator_has_its_streams_cancelled(tmp_path: Path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = grpc.server(ThreadPoolExecutor(8))
+    slow = SlowCoordinator()
+    pb_grpc.add_CoordinatorServicer_to_server(slow, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        t0 = time.monotonic()
+        out = subprocess.run(
+            [*WEDLM, "--target", f"slow=127.0.0.1:{port}", "--duration", str(DURATION_S),
+             "--warmup", "0", "--rounds", "1", "--concurrency", "2", "--client-processes", "1",
+             "--out", str(tmp_path), "--json"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        took = time.monotonic() - t0
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert took < DURATION_S + STARTUP_BOUND_S, (took, out.stderr)
+        result = json.loads(out.stdout)
+        run = result["levels"]["2"]["rounds"][0]["slow"]
+        assert (run["sent"], run["ok"], run["failed"], run["unfinished"]) == (2, 0, 0, 2), run
+        assert run["unfinished_tokens"] >= 2 and run["ttft_ms_p50"] > 0, run
+        assert any("no request finished inside the 3 s window" in n for n in result["notes"])
+        wait = time.monotonic() + 10
+        while slow.cancelled < 2 and time.monotonic() < wait:
+            time.sleep(0.2)
+        assert (slow.started, slow.cancelled) == (2, 2)  # cancelled, not left running
+    finally:
+        server.stop(0)

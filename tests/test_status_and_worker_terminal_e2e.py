@@ -60,6 +60,16 @@ def cluster(checkpoint_dir, tmp_path_factory) -> Iterator[dict]:
                 p.stop()
 
 
+# the worker's lines from its start to serving, in this order
+STATES = (
+    r"listening on \S+ layers unassigned \(model from the coordinator\)",
+    r": assigned layers 2-3 by the coordinator at 127\.0\.0\.1:\d+$",
+    r": fetching layers 2-3 of model \S+ from 127\.0\.0\.1:\d+: [\d.]+ MB in 2 files$",
+    r": fetched layers 2-3 of model \S+: [\d.]+ MB in [\d.]+ s",
+    r": serving layers 2-3 of model \S+ \(plan \d+, the last stage\)$",
+)
+
+
 def worker_lines(worker: Proc) -> list[str]:
     return [line.rstrip("\n") for line in worker.log]
 
@@ -72,15 +82,7 @@ def test_the_worker_terminal_follows_its_state(cluster):
     )  # fmt: skip
     lines = worker_lines(worker)
     states = [
-        next(i for i, line in enumerate(lines) if pattern.search(line))
-        for pattern in (
-            re.compile(r"listening on \S+ layers unassigned \(model from the coordinator\)"),
-            re.compile(r": assigned layers 2-3 by the coordinator at 127\.0\.0\.1:\d+$"),
-            re.compile(r": fetching layers 2-3 of model \S+ from 127\.0\.0\.1:\d+: [\d.]+ MB "
-                       r"in 2 files$"),  # fmt: skip
-            re.compile(r": fetched layers 2-3 of model \S+: [\d.]+ MB in [\d.]+ s"),
-            re.compile(r": serving layers 2-3 of model \S+ \(plan \d+, the last stage\)$"),
-        )
+        next(i for i, line in enumerate(lines) if re.search(pattern, line)) for pattern in STATES
     ]
     assert states == sorted(states), lines  # in this order
     print("\n".join(lines))  # what the user sees (pytest -s)
