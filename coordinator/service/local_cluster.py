@@ -5,7 +5,6 @@ their layers, answers the prompt (if one is given) and stops everything afterwar
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
@@ -15,19 +14,18 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from common.errors import WedlmError
 from common.tls import load_tls
 from coordinator.engine.local_engine import resolve_model
+from coordinator.service.progress_lines import PROGRESS_EVERY_S, still_working
 from coordinator.service.serve_args import serve_options
 from coordinator.service.server import CoordinatorServer
 from wedlm_client.cli import params_from_args
 from wedlm_client.client import WedlmClient
 
 START_TIMEOUT_S = 600.0
-PROGRESS_EVERY_S = 5.0  # the terminal hears from a start at least this often
 
 
 def start_worker(
@@ -85,9 +83,9 @@ def run_local(args: argparse.Namespace) -> int:
             tls=tls,
         )
         # the coordinator loads its parts while the workers start (each its own process)
-        with still_working("loading the model's embedding, head and tokenizer"):
+        with still_working(say, "loading the model's embedding, head and tokenizer"):
             server = CoordinatorServer(opts)
-        with still_working("waiting for the workers to start"):
+        with still_working(say, "waiting for the workers to start"):
             for i, proc in enumerate(procs):
                 say(_await_listening(proc, logs / f"worker-{i}.log"))
         server.start()
@@ -125,24 +123,6 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-@contextlib.contextmanager
-def still_working(what: str, every_s: float = PROGRESS_EVERY_S) -> Iterator[None]:
-    """Say `what` every `every_s` seconds until the block ends: never a silent minute."""
-    done, started = threading.Event(), time.monotonic()
-
-    def remind() -> None:
-        while not done.wait(every_s):
-            say(f"{what} ({time.monotonic() - started:.0f} s)")
-
-    thread = threading.Thread(target=remind, name="progress", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-
-
 def _await_ready(server: CoordinatorServer) -> None:
     """Wait for readiness, saying what the coordinator is doing every few seconds."""
     started = said = time.monotonic()
@@ -161,7 +141,7 @@ def _answer(address: str, args: argparse.Namespace) -> None:
     tls = load_tls(args.tls_cert, args.tls_key, args.tls_ca)
     with WedlmClient(address, tls=tls, api_key=args.api_key) as client:
         events = client.generate_stream(args.prompt, ids, args.chat, params)
-        with still_working("reading the prompt"):  # its prefill comes before any token
+        with still_working(say, "reading the prompt"):  # its prefill comes before any token
             first = next(events, None)
         final = {}
         for event in itertools.chain([first] if first is not None else [], events):

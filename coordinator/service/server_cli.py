@@ -15,6 +15,7 @@ from collections.abc import Sequence as Seq
 from common.errors import WedlmError
 from common.server_install import require_server_install
 from coordinator.knobs import Knob, default_of, kind_of
+from coordinator.service.progress_lines import PROGRESS_EVERY_S, still_working
 from coordinator.service.serve_args import serve_options, state_dir
 from coordinator.service.serve_config import serve_knobs
 
@@ -170,17 +171,16 @@ def apply_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
         raise WedlmError("--model is required (on the command line or in --config)")
 
 
-PROGRESS_EVERY_S = 5.0  # a start says what it is doing at least this often
-
-
 def serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT (exit 0: drained when serving, at once while starting)
     or until the engine cannot go on (exit 1)."""
     signals = StopSignals()
     server = None
-    print(f"wedlm-coordinator: loading {args.model} (tokenizer, embedding, head)", flush=True)
+    what = f"wedlm-coordinator: loading {args.model} (tokenizer, embedding, head)"
+    print(what, flush=True)
     try:
-        server = _build_server(args)
+        with still_working(lambda text: print(text, flush=True), what):
+            server = _build_server(args)
         signals.raising = False
     except StopRequested:
         signals.raising = False
