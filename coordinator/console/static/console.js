@@ -424,8 +424,8 @@ async function send(text) {
   // tokens per forward so far, from the forwards each commit chunk says it took
   const decoding = () => {
     live.className = "live decoding";
-    live.replaceChildren(el("b", { class: "live-tokens", text: tokens }), " tokens in ",
-      el("b", { class: "live-forwards", text: forwards }), " forwards · ",
+    live.replaceChildren(el("b", { class: "live-tokens", text: tokens }), ` token${tokens === 1 ? "" : "s"} in `,
+      el("b", { class: "live-forwards", text: forwards }), ` forward${forwards === 1 ? "" : "s"} · `,
       el("b", { class: "live-tpf", text: forwards ? (tokens / forwards).toFixed(2) : "–" }),
       " tokens/forward so far");
   };
