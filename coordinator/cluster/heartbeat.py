@@ -29,22 +29,31 @@ class Heartbeat(threading.Thread):
 
     def run(self) -> None:
         while not self._stopping.wait(self.period_s):
-            pipeline = self.get_pipeline()
-            if pipeline is None or getattr(pipeline, "broken", None) is not None:
-                continue
-            for link in pipeline.links:
-                try:
-                    link.latest_info = link.info(timeout=self.timeout_s)
+            try:
+                self._beat()
+            except Exception as e:  # a re-plan closed the channel mid-call: beat the next one
+                # (the thread must outlive any one pipeline: a dead heartbeat never notices
+                # a worker killed while the coordinator is idle)
+                log.debug("heartbeat skipped: %s", e)
+
+    def _beat(self) -> None:
+        """One Info call to each worker of the current pipeline."""
+        pipeline = self.get_pipeline()
+        if pipeline is None or getattr(pipeline, "broken", None) is not None:
+            return
+        for link in pipeline.links:
+            try:
+                link.latest_info = link.info(timeout=self.timeout_s)
+                self._missed[link.address] = 0
+            except WorkerCallError as e:
+                n = self._missed.get(link.address, 0) + 1
+                self._missed[link.address] = n
+                log.warning("heartbeat %d/%d to %s failed: %s", n, self.misses, link.address, e)
+                if n >= self.misses:
                     self._missed[link.address] = 0
-                except WorkerCallError as e:
-                    n = self._missed.get(link.address, 0) + 1
-                    self._missed[link.address] = n
-                    log.warning("heartbeat %d/%d to %s failed: %s", n, self.misses, link.address, e)
-                    if n >= self.misses:
-                        self._missed[link.address] = 0
-                        pipeline.abort(
-                            WorkerCallError(
-                                link.address, grpc.StatusCode.UNAVAILABLE, "missed heartbeats"
-                            )
+                    pipeline.abort(
+                        WorkerCallError(
+                            link.address, grpc.StatusCode.UNAVAILABLE, "missed heartbeats"
                         )
-                        break
+                    )
+                    break
