@@ -161,6 +161,8 @@ class KVRows:
         self.span = 0
         self.uniform_start: int | None = None
         self.write_positions: mx.array | None = None
+        self._starts = np.zeros(num_rows, dtype=np.int64)
+        self._width = 0
 
     @property
     def num_rows(self) -> int:
@@ -179,6 +181,7 @@ class KVRows:
         if end > self.capacity:
             self.capacity = -(-end // GROW_STEP) * GROW_STEP
         starts = self.lengths
+        self._starts, self._width = starts.copy(), t  # for sliding_mask
         on_device = isinstance(windows, mx.array)  # never causal: a look-ahead WeDLM window
         causal = not on_device and np.array_equal(
             windows, np.broadcast_to(np.tri(t, dtype=bool), windows.shape)
@@ -202,6 +205,20 @@ class KVRows:
         # vary in width from forward to forward, and each new shape would cost a trace
         build = compiled_attention_mask if on_device else attention_mask
         return build(starts_mx, windows, self.span)
+
+    def sliding_mask(self, mask: mx.array | str | None, window: int) -> mx.array:
+        """`mask` (what `begin` returned) narrowed to a sliding window of `window`
+        positions: a query at position p sees keys p-window+1..p only, as mlx-lm's
+        RotatingKVCache layers do. This cache keeps every position; the mask hides the
+        ones that slid out."""
+        keys = mx.arange(self.span)[None, None, None, :]
+        starts = self._starts[:1] if mask is None or isinstance(mask, str) else self._starts
+        queries = mx.array(starts[:, None] + np.arange(self._width)[None, :], mx.int32)
+        queries = queries[:, None, :, None]  # [B or 1, 1, T, 1]
+        band = (queries - keys) < window
+        if mask is None or isinstance(mask, str):  # rows alike, plain causal
+            return band & (keys <= queries)
+        return mask & band
 
     def _bind(self, offset: mx.array) -> None:
         for layer in self.layers:

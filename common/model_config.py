@@ -9,19 +9,25 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import CheckpointError
+from common.model_families import family_name
 
 DEFAULT_MASK_TOKEN_ID = 151665  # WeDLM's [MASK]; released configs leave mask_token_id null
-SUPPORTED_MODEL_TYPES = ("wedlm", "qwen3", "qwen2", "llama", "qwen3_moe", "diffusion_gemma")
+# The families served before mlx-lm's registry decided (their configs are read as then);
+# any other model_type is served when mlx-lm has it (common/model_families.py).
+CLASSIC_MODEL_TYPES = ("wedlm", "qwen3", "qwen2", "llama", "qwen3_moe", "diffusion_gemma")
 DIFFUSION_MODEL_TYPES = ("diffusion_gemma",)  # block-diffusion models: mlx-vlm's modules
 REQUIRED_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 
 
-def mlx_model_type(config: dict[str, Any]) -> str:
-    """The mlx-lm module that runs this checkpoint (WeDLM is Qwen3 with q/k norm, else Qwen2)."""
+def mlx_model_type(config: dict[str, Any], where: Path | None = None) -> str:
+    """The mlx-lm module that runs this checkpoint (WeDLM is Qwen3 with q/k norm, else
+    Qwen2; other types as mlx-lm's own registry resolves them)."""
     model_type = config.get("model_type")
     if model_type == "wedlm":
         return "qwen3" if config.get("qk_norm", True) else "qwen2"
-    return str(model_type)
+    if model_type in CLASSIC_MODEL_TYPES:
+        return str(model_type)
+    return family_name(config, where or Path("config.json"))
 
 
 @dataclass(frozen=True)
@@ -73,10 +79,12 @@ class ModelConfig:
         return "wedlm" if self.wedlm_trained else "ar"
 
     def mlx_args(self) -> dict[str, Any]:
-        """The config as mlx-lm's ModelArgs expects it."""
+        """The config as mlx-lm's ModelArgs expects it (other families: as written, so
+        that mlx-lm's own defaults apply, a tied head included)."""
         args = dict(self.raw)
-        args["model_type"] = self.family
-        args["tie_word_embeddings"] = self.tie_word_embeddings
+        if self.model_type in CLASSIC_MODEL_TYPES:
+            args["model_type"] = self.family
+            args["tie_word_embeddings"] = self.tie_word_embeddings
         return args
 
 
@@ -121,18 +129,28 @@ def _flatten_text_config(path: Path, top: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def _with_text_fields(top: dict[str, Any]) -> dict[str, Any]:
+    """The top level with the text model's fields beside it (its own win); mlx-lm's
+    ModelArgs still reads `text_config` itself."""
+    text = top["text_config"]
+    return {**{k: v for k, v in text.items() if k != "model_type"}, **top}
+
+
 def load_model_config(path: str | Path) -> ModelConfig:
     path = Path(path).expanduser()
     if not path.is_dir():
         raise CheckpointError(f"model folder {path} does not exist")
     top = _read_json(path / "config.json")
     model_type = top.get("model_type")
-    raw = _flatten_text_config(path, top) if model_type in DIFFUSION_MODEL_TYPES else top
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"{path / 'config.json'}: unsupported model_type {model_type!r} "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    if model_type in DIFFUSION_MODEL_TYPES:
+        raw = _flatten_text_config(path, top)
+    elif isinstance(top.get("text_config"), dict) and "hidden_size" not in top:
+        raw = _with_text_fields(top)  # a multimodal layout: the sizes are the text model's
+    else:
+        raw = top
+    if not isinstance(model_type, str) or not model_type:
+        raise CheckpointError(f"{path / 'config.json'}: model_type must be a family name")
+    family = mlx_model_type(raw, path / "config.json")  # refuses a type mlx-lm lacks
     for name in REQUIRED_FIELDS:
         value = raw.get(name)
         if not isinstance(value, int) or value <= 0:
@@ -152,7 +170,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
         path=path,
         raw=raw,
         model_type=model_type,
-        family=mlx_model_type(raw),
+        family=family,
         num_layers=raw["num_hidden_layers"],
         hidden_size=raw["hidden_size"],
         vocab_size=raw["vocab_size"],

@@ -12,17 +12,22 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from common import fused_projections, small_query_attention
+from common import fused_projections, model_families, small_query_attention
 from common.checkpoint_weights import layer_of, load_tensors
 from common.errors import CheckpointError
 from common.kv_rows import KVRows
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig, load_model_config
+from common.model_ends import ModelEnds
 from common.parts_weights import install_weights, quantize_parts
+from common.weights_match import check_weights
+
+LAYERS_PATH = "model.layers"  # where checkpoints keep layer tensors (checkpoint_weights)
 
 
 class ModelParts(nn.Module):
-    """Layers `layer_range` of a model, plus the ends (embedding, norm, head) when asked for."""
+    """Layers `layer_range` of a model, plus the ends (embedding, norm, head) when asked for.
+    `windows[i]`: layer i's attention window (None: full attention), from mlx-lm's caches."""
 
     def __init__(
         self,
@@ -35,21 +40,43 @@ class ModelParts(nn.Module):
         self.config = config
         self.layer_range = layer_range
         self.with_ends = with_ends
-        blocks = full.model.layers
+        family = config.family
+        try:
+            found = model_families.find_layers(full, family)
+            # what each layer needs first: a recurrent family is refused for that
+            all_windows = model_families.layer_windows(full, family, len(found.layers))
+        except CheckpointError as e:
+            raise CheckpointError(f"{config.path / 'config.json'}: {e}") from None
+        if found.path != LAYERS_PATH:
+            raise CheckpointError(
+                f"{config.path / 'config.json'}: mlx-lm's {family} keeps its layers at "
+                f"{found.path}, and this engine splits only checkpoints whose layers are "
+                f"{LAYERS_PATH}.N"
+            )
+        blocks = found.layers
         self.layers = [blocks[i] for i in layer_range] if layer_range else []
+        for layer in self.layers:
+            model_families.check_layer_call(layer, family)
+        windows = tuple(all_windows[i] for i in layer_range) if layer_range else ()
+        object.__setattr__(self, "windows", windows)  # a plain attribute, not a child
         if with_ends:
-            self.embed_tokens = full.model.embed_tokens
-            self.norm = full.model.norm
-            if not config.tie_word_embeddings:
-                self.lm_head = full.lm_head
+            self.ends = ModelEnds(full, found)
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        """The token embedding module (its weight's dtype is the model's)."""
+        module = self.ends.embed_module() if "ends" in self else None
+        if module is None:
+            raise AttributeError("embed_tokens")
+        return module
 
     def checkpoint_name(self, name: str) -> str:
         """Map our parameter name to the checkpoint's (`layers.0.x` → `model.layers.a.x`)."""
         if name.startswith("layers."):
             idx, rest = name[len("layers.") :].split(".", 1)
-            return f"model.layers.{int(idx) + self.layer_range.start}.{rest}"
-        if name.startswith(("embed_tokens.", "norm.")):
-            return f"model.{name}"
+            return f"{LAYERS_PATH}.{int(idx) + self.layer_range.start}.{rest}"
+        if name.startswith("ends.model."):
+            return name[len("ends.model.") :]
         return name
 
     def local_name(self, key: str) -> str | None:
@@ -60,20 +87,13 @@ class ModelParts(nn.Module):
             return f"layers.{layer - self.layer_range.start}.{key.split('.', 3)[3]}"
         if not self.with_ends:
             return None
-        if key.startswith(("model.embed_tokens.", "model.norm.")):
-            return key[len("model.") :]
-        if key.startswith("lm_head.") and not self.config.tie_word_embeddings:
-            return key
-        return None
+        return f"ends.model.{key}"
 
     def embed(self, tokens: mx.array) -> mx.array:
-        return self.embed_tokens(tokens)
+        return self.ends.embed(tokens)
 
     def head(self, hidden: mx.array) -> mx.array:
-        hidden = self.norm(hidden)
-        if self.config.tie_word_embeddings:
-            return self.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
+        return self.ends.head(hidden)
 
     def num_parameters(self) -> int:
         total = 0
@@ -128,7 +148,7 @@ def load_model_parts(
         # Building the whole mlx-lm model only creates lazy parameters; ModelParts keeps
         # the modules it needs and the rest is never materialized.
         full = arch.Model(arch.ModelArgs.from_dict(config.mlx_args()))
-    except (TypeError, KeyError, ValueError) as e:
+    except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
         raise CheckpointError(
             f"{config.path / 'config.json'}: cannot build a {config.family} model: {e}"
         ) from None
@@ -136,11 +156,16 @@ def load_model_parts(
     keep = parts.local_name
     raw = load_tensors(config.path, lambda k: keep(k) is not None)
     # mlx-lm's sanitize works on checkpoint names (stacks MoE experts, drops tied heads).
-    weights = {keep(k): v for k, v in full.sanitize(raw).items() if keep(k) is not None}
+    sanitize = getattr(full, "sanitize", None)  # as mlx-lm's load: not every family has one
+    raw = sanitize(raw) if sanitize is not None else raw
+    weights = {keep(k): v for k, v in raw.items() if keep(k) is not None}
     del full
     if config.quantization:
         _quantize(parts, config.quantization, weights)
+    check_weights(parts, weights, config.path, parts.checkpoint_name)
     install_weights(parts, weights, config.path)
+    if with_ends:
+        parts.ends.probe(config.family, config.hidden_size)
     del raw, weights  # the layers hold the only references: fusing frees as it goes
     if fuse and fused_projections.enabled():
         fused_projections.fuse_projections(parts.layers)
@@ -152,10 +177,16 @@ LAUNCH_EVERY = 6  # layers per launched chunk of a forward's graph (0: one launc
 
 def run_layers(parts: ModelParts, hidden: mx.array, kv: KVRows, windows: np.ndarray) -> mx.array:
     """Run `hidden` [rows, T, H] through this process's layers at the rows' current lengths
-    (an mlx-lm family's layers; a diffusion model's run in common/diffusion/layers.py)."""
+    (an mlx-lm family's layers; a diffusion model's run in common/diffusion/layers.py).
+    A sliding-window layer gets the mask of its own window, built once per forward."""
     mask = kv.begin(windows)
+    sliding = getattr(parts, "windows", ())
+    masks: dict[int | None, mx.array | str | None] = {None: mask}
     for i, (layer, cache) in enumerate(zip(parts.layers, kv.layers, strict=True), 1):
-        hidden = layer(hidden, mask, cache=cache)
+        window = sliding[i - 1] if sliding else None
+        if window not in masks:
+            masks[window] = kv.sliding_mask(mask, window)
+        hidden = layer(hidden, masks[window], cache=cache)
         if LAUNCH_EVERY and i % LAUNCH_EVERY == 0 and i < len(parts.layers):
             # Start the device on the layers built so far: the host builds the rest of
             # the graph while they run, instead of the device waiting for all of it.

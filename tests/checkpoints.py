@@ -300,3 +300,184 @@ def make_checkpoint(
     }
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return out_dir
+
+
+# Tiny configs of mlx-lm families with no transformers writer here: the checkpoint is made
+# from mlx-lm's own classes (make_mlx_checkpoint). Windows of 8 so that prompts cross them.
+SLIDING_WINDOW = 8
+_MLX_BASE: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "torch_dtype": "float32",
+}
+# model_type -> (architectures, extra config fields, tied head)
+MLX_FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
+    # sliding windows on alternate layers, attention sinks, MoE of 4 experts
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        {
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": SLIDING_WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+        False,
+    ),
+    # local/global layers (every second global), embedding scale, its own RMSNorm (1 + w)
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        {
+            "query_pre_attn_scalar": 16,
+            "sliding_window": SLIDING_WINDOW,
+            "sliding_window_pattern": 2,
+            "rope_local_base_freq": 10000.0,
+        },
+        False,
+    ),
+    # dense, of another shape: fused gate/up, post-attention and post-MLP norms, partial RoPE
+    "glm4": (
+        "Glm4ForCausalLM",
+        {"attention_bias": True, "partial_rotary_factor": 0.5},
+        False,
+    ),
+    # q/k norms over all heads, norms after attention and MLP
+    "olmo2": ("Olmo2ForCausalLM", {"tie_word_embeddings": False}, False),
+    # embedding, attention, residual and logit multipliers (the head divides the logits)
+    "granite": (
+        "GraniteForCausalLM",
+        {
+            "logits_scaling": 4.0,
+            "attention_multiplier": 0.25,
+            "embedding_multiplier": 6.0,
+            "residual_multiplier": 0.5,
+            "attention_bias": False,
+            "mlp_bias": False,
+        },
+        False,
+    ),
+    # sliding layers and one global in every 2, layer norm, logit scale, a tied head
+    "cohere2": (
+        "Cohere2ForCausalLM",
+        {
+            "sliding_window": SLIDING_WINDOW,
+            "sliding_window_pattern": 2,
+            "logit_scale": 0.5,
+            "layer_norm_eps": 1e-5,
+        },
+        True,
+    ),
+    # multi-head latent attention (MLA), a dense first layer, then routed + shared experts
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        {
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+        },
+        False,
+    ),
+}
+
+
+def _mlx_reinit(params: dict[str, Any], seed: int, norm_center: float) -> dict[str, Any]:
+    """The spread of `_reinit`, for mlx-lm parameter names (experts stacked: fan-in last).
+    Norm weights spread around `norm_center` (0 for Gemma's norms, which scale by 1 + w)."""
+    import mlx.core as mx
+
+    out = {}
+    for i, (name, p) in enumerate(sorted(params.items())):
+        key, col_key = mx.random.split(mx.random.key(seed * 100_003 + i))
+        noise = mx.random.normal(p.shape, key=key)
+        if p.ndim == 1 and "norm" in name:
+            value = norm_center + 0.2 * noise
+        elif p.ndim == 1:  # biases, attention sinks
+            value = 0.3 * noise
+        elif "embed_tokens" in name or "lm_head" in name:
+            cols = mx.exp(SPREAD * mx.random.normal((p.shape[-1],), key=col_key))
+            cols = cols / mx.sqrt(mx.mean(cols * cols))
+            value = HEAD_GAIN / math.sqrt(p.shape[-1]) * cols * noise
+        else:
+            gain = 3.0 if name.endswith(("router.weight", "mlp.gate.weight")) else 1.5
+            value = gain / math.sqrt(p.shape[-1]) * noise
+        out[name] = value.astype(mx.float32)
+    return out
+
+
+def make_mlx_checkpoint(
+    out_dir: Path,
+    model_type: str,
+    seed: int = 0,
+    chat_template: str = CHAT_TEMPLATE,
+    **config_overrides: Any,
+) -> Path:
+    """A tiny random float32 checkpoint of an mlx-lm family (see MLX_FAMILIES), built from
+    mlx-lm's own Model and ModelArgs and saved as mlx-lm saves one (its parameter names,
+    safetensors, config.json, the tokenizer files): what `mlx_lm.load` reads back."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    arch, extra, tied = MLX_FAMILIES[model_type]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fields = {**_MLX_BASE, **extra, **config_overrides}
+    ids = _write_tokenizer(out_dir, fields["vocab_size"], chat_template)
+    fields.update(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=tied,
+    )
+    config = {"architectures": [arch], "model_type": model_type, **fields}
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    params = dict(tree_flatten(model.parameters()))
+    if tied:
+        params.pop("lm_head.weight", None)
+    weights = _mlx_reinit(params, seed, 0.0 if model_type.startswith("gemma") else 1.0)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    gen = {
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "do_sample": False,
+    }
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out_dir
+
+
+def mlx_lm_greedy(
+    path: Path, prompt: list[int], max_tokens: int, stop_ids: tuple[int, ...]
+) -> list[int]:
+    """mlx-lm's own greedy tokens (generate_step, float32), up to a stop token included."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(path))
+    model.set_dtype(mx.float32)
+    out: list[int] = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
+        out.append(int(token))
+        if out[-1] in stop_ids:
+            break
+    return out

@@ -1,0 +1,122 @@
+"""Families served because mlx-lm has them (common/model_families.py): greedy AR tokens of
+the single-process engine equal mlx-lm's own `generate_step` (float32), alone, batched
+with another request and from the prefix cache. Sliding-window layers see only their
+window: the prompts cross it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from common.generation_params import GenerationParams
+from common.model_parts import load_model_parts
+from coordinator.engine.local_engine import open_local_engine
+from coordinator.engine.prefix_cache import PrefixCache
+from tests.checkpoints import MLX_FAMILIES, SLIDING_WINDOW, make_mlx_checkpoint, mlx_lm_greedy
+
+FAMILIES = list(MLX_FAMILIES)
+MAIN = ["gpt_oss", "gemma3_text", "glm4"]  # batched and prefix-cache runs
+PROMPTS = (
+    "once upon a time there was a little robot who liked to count",
+    "the quick brown fox",
+)
+MAX_TOKENS = 20
+AR = GenerationParams(mode="ar", max_tokens=MAX_TOKENS)
+# per family: each layer's window as mlx-lm's make_cache() says (None: full attention)
+WINDOWS = {
+    "gpt_oss": (SLIDING_WINDOW, None) * 2,
+    "gemma3_text": (SLIDING_WINDOW, None) * 2,
+    "cohere2": (SLIDING_WINDOW, None) * 2,
+}
+
+
+# a seed whose random weights do not repeat one token (a tied head tends to)
+SEEDS = {"cohere2": 4}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mlx-families")
+    return {f: make_mlx_checkpoint(root / f, f, seed=SEEDS.get(f, 3)) for f in FAMILIES}
+
+
+_ENGINES: dict = {}
+
+
+def engine(path: Path, rows: int = 1, cached: bool = False):
+    key = (str(path), rows, cached)
+    if key not in _ENGINES:
+        cache = PrefixCache(capacity_tokens=100_000) if cached else None
+        _ENGINES[key] = open_local_engine(path, num_rows=rows, prefix_cache=cache)
+    return _ENGINES[key]
+
+
+def reference(path: Path, text: str) -> list[int]:
+    local = engine(path)
+    prompt = local.tokenizer.encode(text)
+    return mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
+
+
+def run(local, prompts: list[list[int]]):
+    seqs = [local.engine.submit(p, AR) for p in prompts]
+    for _ in local.engine.stream(seqs):
+        pass
+    return seqs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_process_matches_mlx_lm(models, family):
+    path = models[family]
+    local = engine(path)
+    assert local.engine.parts.windows == WINDOWS.get(family, (None,) * 4)
+    for text in PROMPTS:
+        prompt = local.tokenizer.encode(text)
+        if text == PROMPTS[0] and family in WINDOWS:
+            assert len(prompt) > SLIDING_WINDOW  # the prompt alone crosses the window
+        want = reference(path, text)
+        assert len(set(want)) > 2, "degenerate random model: the test would prove little"
+        assert run(local, [prompt])[0].output == want, text
+
+
+@pytest.mark.parametrize("family", MAIN)
+def test_two_prompts_batched_give_each_its_solo_tokens(models, family):
+    path = models[family]
+    local = engine(path, rows=2)
+    prompts = [local.tokenizer.encode(t) for t in PROMPTS]
+    seqs = run(local, prompts)
+    assert [s.output for s in seqs] == [reference(path, t) for t in PROMPTS]
+
+
+@pytest.mark.parametrize("family", MAIN)
+def test_a_repeated_prompt_from_the_prefix_cache(models, family):
+    path = models[family]
+    local = engine(path, cached=True)
+    prompt = local.tokenizer.encode(PROMPTS[0] + " and then some more words to cache")
+    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
+    first = run(local, [prompt])[0]
+    again = run(local, [prompt])[0]
+    assert again.cached_tokens > SLIDING_WINDOW  # the cached rows cross the window too
+    assert first.output == again.output == want
+
+
+@pytest.mark.parametrize("family", MAIN)
+def test_layer_ranges_carry_their_windows(models, family):
+    """A stage holding layers 2-3 gets the windows of layers 2-3, not of 0-1."""
+    from common.layer_range import LayerRange
+
+    parts = load_model_parts(models[family], LayerRange(1, 3), with_ends=False)
+    assert parts.windows == WINDOWS.get(family, (None,) * 4)[1:]
+    assert not hasattr(parts, "embed_tokens")
+
+
+def test_the_window_mask_is_what_makes_them_equal(models, monkeypatch):
+    """Without its window's mask a sliding layer sees every position, and the tokens part
+    from mlx-lm's: the parity above depends on the window, not on luck."""
+    from common.kv_rows import KVRows
+
+    path = models["gpt_oss"]
+    want = reference(path, PROMPTS[0])
+    monkeypatch.setattr(KVRows, "sliding_mask", lambda self, mask, window: mask)
+    local = open_local_engine(path)
+    assert run(local, [local.tokenizer.encode(PROMPTS[0])])[0].output != want
