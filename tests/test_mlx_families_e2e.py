@@ -1,0 +1,95 @@
+"""Families served because mlx-lm has them, through 2 stages: a real coordinator (the first
+layers, embedding and head) and a real worker (the rest) on 127.0.0.1, requests at once
+(batched into micro-batches in flight): every request's greedy tokens equal mlx-lm's own
+`generate_step`. Sliding-window layers sit on both sides of the split."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from common.generation_params import GenerationParams
+from common.tokenizer import Tokenizer
+from tests.checkpoints import make_mlx_checkpoint, mlx_lm_greedy
+from tests.cluster_harness import (
+    cluster_name,
+    start_coordinator,
+    start_fetching_worker,
+    start_worker,
+)
+from wedlm_client.client import WedlmClient
+
+FAMILIES = ["gpt_oss", "gemma3_text", "glm4"]
+PROMPTS = [
+    "once upon a time there was a little robot who liked to count",
+    "the quick brown fox",
+    "she sells sea shells by the sea shore",
+]
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlx-families-e2e")
+    return {f: make_mlx_checkpoint(root / f, f, seed=5) for f in FAMILIES}
+
+
+def expected(path) -> list[list[int]]:
+    tok = Tokenizer(path)
+    return [mlx_lm_greedy(path, tok.encode(t), MAX_TOKENS, tok.stop_ids) for t in PROMPTS]
+
+
+def concurrent(address: str) -> list[list[int]]:
+    results: dict[int, list[int]] = {}
+    params = GenerationParams(mode="ar", max_tokens=MAX_TOKENS)
+
+    def one(i: int) -> None:
+        with WedlmClient(address, timeout=180) as client:
+            results[i] = client.generate(text=PROMPTS[i], params=params)["tokens"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    return [results[i] for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_stages_match_mlx_lm(models, family):
+    path = models[family]
+    name = cluster_name()
+    worker, address = start_worker(path, name, "--no-bonjour", "--layers", "2-3")
+    procs = [worker]
+    try:
+        coord, grpc = start_coordinator(
+            path, name, "--no-bonjour", "--expect", "1", "--worker", address,
+            "--layers", "0-1", "--micro-batches", "2",
+        )  # fmt: skip
+        procs.append(coord)
+        coord.expect("serving")
+        assert concurrent(grpc) == expected(path)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_worker_fetches_a_new_familys_layers(models, tmp_path):
+    """A worker without the model fetches its layers from the coordinator (the layer files
+    are cut from the checkpoint by tensor name) and serves gpt-oss's sliding layers."""
+    path = models["gpt_oss"]
+    name = cluster_name()
+    worker, address = start_fetching_worker(name, tmp_path / "cache")
+    procs = [worker]
+    try:
+        coord, grpc = start_coordinator(
+            path, name, "--no-bonjour", "--expect", "1", "--worker", address,
+            "--layers", "0-0", "--micro-batches", "2",
+        )  # fmt: skip
+        procs.append(coord)
+        coord.expect("serving")
+        assert concurrent(grpc) == expected(path)
+    finally:
+        for p in procs:
+            p.stop()
