@@ -11,10 +11,15 @@ import mlx.core as mx
 
 from common.errors import CheckpointError
 
-# A transformer layer's tensors: `model.layers.N.` (mlx-lm families), and DiffusionGemma's
+# A transformer layer's tensors: `model.layers.N.` (mlx-lm families), a multimodal
+# checkpoint's text layers (`language_model.model.layers.N.` as mlx-lm names them,
+# `model.language_model.layers.N.` as transformers saves them), and DiffusionGemma's
 # decoder layers and their encoder-side scalars (`model.decoder.layers.N.`,
 # `model.encoder.language_model.layers.N.`).
-_LAYER_KEY = re.compile(r"^model\.(?:decoder\.|encoder\.language_model\.)?layers\.(\d+)\.")
+_LAYER_KEY = re.compile(
+    r"^(?:model\.(?:decoder\.|encoder\.language_model\.|language_model\.)?"
+    r"|language_model\.model\.)layers\.(\d+)\."
+)
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -38,6 +43,12 @@ def weight_files(path: Path) -> list[Path]:
 def layer_of(key: str) -> int | None:
     m = _LAYER_KEY.match(key)
     return int(m.group(1)) if m else None
+
+
+def split_layer_key(key: str) -> tuple[int, str] | None:
+    """(layer, the name inside the layer) of a layer tensor's key, else None."""
+    m = _LAYER_KEY.match(key)
+    return (int(m.group(1)), key[m.end() :]) if m else None
 
 
 def load_tensors(path: Path, wanted: Callable[[str], bool]) -> dict[str, mx.array]:

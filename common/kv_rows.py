@@ -206,19 +206,18 @@ class KVRows:
         build = compiled_attention_mask if on_device else attention_mask
         return build(starts_mx, windows, self.span)
 
-    def sliding_mask(self, mask: mx.array | str | None, window: int) -> mx.array:
-        """`mask` (what `begin` returned) narrowed to a sliding window of `window`
-        positions: a query at position p sees keys p-window+1..p only, as mlx-lm's
-        RotatingKVCache layers do. This cache keeps every position; the mask hides the
-        ones that slid out."""
+    def sliding_mask(self, mask: mx.array | str | None, window: int | None) -> mx.array:
+        """`mask` (what `begin` returned) as an array, narrowed to a sliding window of
+        `window` positions (None: no window): a query at position p sees keys
+        p-window+1..p only, as mlx-lm's RotatingKVCache layers do. This cache keeps every
+        position; the mask hides the ones that slid out."""
         keys = mx.arange(self.span)[None, None, None, :]
-        starts = self._starts[:1] if mask is None or isinstance(mask, str) else self._starts
+        plain = mask is None or isinstance(mask, str)  # rows alike, plain causal
+        starts = self._starts[:1] if plain else self._starts
         queries = mx.array(starts[:, None] + np.arange(self._width)[None, :], mx.int32)
         queries = queries[:, None, :, None]  # [B or 1, 1, T, 1]
-        band = (queries - keys) < window
-        if mask is None or isinstance(mask, str):  # rows alike, plain causal
-            return band & (keys <= queries)
-        return mask & band
+        visible = keys <= queries if plain else mask
+        return visible if window is None else visible & ((queries - keys) < window)
 
     def _bind(self, offset: mx.array) -> None:
         for layer in self.layers:

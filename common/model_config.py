@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -81,7 +82,7 @@ class ModelConfig:
     def mlx_args(self) -> dict[str, Any]:
         """The config as mlx-lm's ModelArgs expects it (other families: as written, so
         that mlx-lm's own defaults apply, a tied head included)."""
-        args = dict(self.raw)
+        args = copy.deepcopy(self.raw)  # ModelArgs may fill in nested dicts (text_config)
         if self.model_type in CLASSIC_MODEL_TYPES:
             args["model_type"] = self.family
             args["tie_word_embeddings"] = self.tie_word_embeddings

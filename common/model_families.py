@@ -132,6 +132,17 @@ def layer_windows(model: nn.Module, family: str, num_layers: int) -> tuple[int |
     return tuple(windows)
 
 
+def wants_array_mask(owner: nn.Module) -> bool:
+    """Whether the family's layers need the causal mask as an array, never the string
+    "causal" (MLA's DeepSeek V3 and Gemma 2 apply it to scores themselves): their own
+    forward asks mlx-lm's create_attention_mask for one (`return_array=True`)."""
+    try:
+        source = inspect.getsource(type(owner).__call__)
+    except (OSError, TypeError):  # no source to read: an array is always safe
+        return True
+    return "return_array=True" in source
+
+
 def check_layer_call(layer: nn.Module, family: str) -> None:
     """The engine calls each layer as `layer(hidden, mask, cache=cache)`, as most mlx-lm
     models do; a layer that needs more (position embeddings, a layer index) is refused."""

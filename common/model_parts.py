@@ -13,7 +13,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from common import fused_projections, model_families, small_query_attention
-from common.checkpoint_weights import layer_of, load_tensors
+from common.checkpoint_weights import load_tensors, split_layer_key
 from common.errors import CheckpointError
 from common.kv_rows import KVRows
 from common.layer_range import LayerRange
@@ -21,8 +21,6 @@ from common.model_config import ModelConfig, load_model_config
 from common.model_ends import ModelEnds
 from common.parts_weights import install_weights, quantize_parts
 from common.weights_match import check_weights
-
-LAYERS_PATH = "model.layers"  # where checkpoints keep layer tensors (checkpoint_weights)
 
 
 class ModelParts(nn.Module):
@@ -47,12 +45,14 @@ class ModelParts(nn.Module):
             all_windows = model_families.layer_windows(full, family, len(found.layers))
         except CheckpointError as e:
             raise CheckpointError(f"{config.path / 'config.json'}: {e}") from None
-        if found.path != LAYERS_PATH:
+        if split_layer_key(f"{found.path}.0.w") is None:
             raise CheckpointError(
                 f"{config.path / 'config.json'}: mlx-lm's {family} keeps its layers at "
-                f"{found.path}, and this engine splits only checkpoints whose layers are "
-                f"{LAYERS_PATH}.N"
+                f"{found.path}, which this engine cannot split into layer ranges yet "
+                "(it knows model.layers.N and language_model.model.layers.N)"
             )
+        self.layers_path = found.path  # the layers' parameter path in mlx-lm's model
+        self.array_mask = model_families.wants_array_mask(found.owner)
         blocks = found.layers
         self.layers = [blocks[i] for i in layer_range] if layer_range else []
         for layer in self.layers:
@@ -74,17 +74,18 @@ class ModelParts(nn.Module):
         """Map our parameter name to the checkpoint's (`layers.0.x` → `model.layers.a.x`)."""
         if name.startswith("layers."):
             idx, rest = name[len("layers.") :].split(".", 1)
-            return f"{LAYERS_PATH}.{int(idx) + self.layer_range.start}.{rest}"
+            return f"{self.layers_path}.{int(idx) + self.layer_range.start}.{rest}"
         if name.startswith("ends.model."):
             return name[len("ends.model.") :]
         return name
 
     def local_name(self, key: str) -> str | None:
-        layer = layer_of(key)
-        if layer is not None:
+        split = split_layer_key(key)
+        if split is not None:
+            layer, rest = split
             if self.layer_range is None or layer not in self.layer_range:
                 return None
-            return f"layers.{layer - self.layer_range.start}.{key.split('.', 3)[3]}"
+            return f"layers.{layer - self.layer_range.start}.{rest}"
         if not self.with_ends:
             return None
         return f"ends.model.{key}"
@@ -180,6 +181,8 @@ def run_layers(parts: ModelParts, hidden: mx.array, kv: KVRows, windows: np.ndar
     (an mlx-lm family's layers; a diffusion model's run in common/diffusion/layers.py).
     A sliding-window layer gets the mask of its own window, built once per forward."""
     mask = kv.begin(windows)
+    if isinstance(mask, str) and getattr(parts, "array_mask", False):
+        mask = kv.sliding_mask(mask, None)  # "causal" as an array, for layers that need one
     sliding = getattr(parts, "windows", ())
     masks: dict[int | None, mx.array | str | None] = {None: mask}
     for i, (layer, cache) in enumerate(zip(parts.layers, kv.layers, strict=True), 1):

@@ -343,6 +343,32 @@ MLX_FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
         },
         False,
     ),
+    # Gemma 3 in the multimodal layout (model_type gemma3, the text model's fields under
+    # text_config, its layers at language_model.model.layers): mlx-lm's text part
+    "gemma3": (
+        "Gemma3ForConditionalGeneration",
+        {
+            "text_config": {
+                "model_type": "gemma3_text",
+                "query_pre_attn_scalar": 16,
+                "sliding_window": SLIDING_WINDOW,
+                "sliding_window_pattern": 2,
+                "rope_local_base_freq": 10000.0,
+            }
+        },
+        False,
+    ),
+    # soft-capped attention scores and logits, a mask it applies itself, a tied head
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        {
+            "query_pre_attn_scalar": 16,
+            "sliding_window": SLIDING_WINDOW,
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+        },
+        True,
+    ),
     # dense, of another shape: fused gate/up, post-attention and post-MLP norms, partial RoPE
     "glm4": (
         "Glm4ForCausalLM",
@@ -440,6 +466,9 @@ def make_mlx_checkpoint(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fields = {**_MLX_BASE, **extra, **config_overrides}
+    if "text_config" in extra:  # a multimodal layout: the sizes are the text model's
+        text = {**_MLX_BASE, **extra["text_config"], **config_overrides}
+        fields = {"text_config": text, "vocab_size": text["vocab_size"], "torch_dtype": "float32"}
     ids = _write_tokenizer(out_dir, fields["vocab_size"], chat_template)
     fields.update(
         bos_token_id=ids["<|endoftext|>"],

@@ -20,7 +20,8 @@ from tests.cluster_harness import (
 )
 from wedlm_client.client import WedlmClient
 
-FAMILIES = ["gpt_oss", "gemma3_text", "glm4"]
+# gemma3: the multimodal layout (layers at language_model.model.layers); deepseek_v3: MLA
+FAMILIES = ["gpt_oss", "gemma3_text", "gemma3", "glm4", "deepseek_v3"]
 PROMPTS = [
     "once upon a time there was a little robot who liked to count",
     "the quick brown fox",
@@ -75,10 +76,12 @@ def test_two_stages_match_mlx_lm(models, family):
             p.stop()
 
 
-def test_a_worker_fetches_a_new_familys_layers(models, tmp_path):
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3"])
+def test_a_worker_fetches_a_new_familys_layers(models, family, tmp_path):
     """A worker without the model fetches its layers from the coordinator (the layer files
-    are cut from the checkpoint by tensor name) and serves gpt-oss's sliding layers."""
-    path = models["gpt_oss"]
+    are cut from the checkpoint by tensor name, the multimodal layout's too) and serves
+    their sliding layers."""
+    path = models[family]
     name = cluster_name()
     worker, address = start_fetching_worker(name, tmp_path / "cache")
     procs = [worker]
