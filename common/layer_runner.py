@@ -3,12 +3,16 @@ Used in-process by the single-machine engine and behind gRPC by every worker."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import numpy as np
 
 from common.errors import WedlmError
 from common.kv_format import FULL, KVFormat
+from common.kv_rows import KVRows
 from common.kv_store import KVStore
+from common.layer_sizes import parts_dtype
 from common.model_parts import ModelParts, run_layers
 from common.rows_spec import RowsSpec
 
@@ -35,10 +39,31 @@ def select_slots(hidden: mx.array, slots: np.ndarray) -> mx.array:
     return mx.take_along_axis(hidden, mx.array(slots, dtype=mx.int32)[:, :, None], axis=1)
 
 
+def _check_quantized_kv(parts: ModelParts, kv: KVFormat) -> None:
+    """Run the first layer once on two positions with this quantized KV: a family whose
+    attention cannot read quantized KV (gpt-oss's attention sinks, in mlx-lm's quantized
+    attention) is refused at the start, in one line, not at its first request."""
+    probe = SimpleNamespace(
+        layers=parts.layers[:1],
+        windows=getattr(parts, "windows", ())[:1],
+        array_mask=getattr(parts, "array_mask", False),
+    )
+    dtype = parts_dtype(parts)
+    hidden = mx.zeros((1, 2, parts.config.hidden_size), dtype)
+    try:
+        mx.eval(run_layers(probe, hidden, KVRows(1, 1, kv=kv), np.tri(2, dtype=bool)[None]))
+    except Exception as e:  # mlx-lm's own refusal, whatever it raises
+        raise WedlmError(
+            f"{parts.config.family} cannot keep its KV quantized ({kv.label()}): {e}"
+        ) from None
+
+
 class LayerRunner:
     def __init__(self, parts: ModelParts, kv: KVFormat = FULL) -> None:
         """`kv`: how this process stores its KV (quantized or in the model's dtype)."""
         kv.check(parts.config)
+        if kv.quantized and parts.layers and not parts.config.diffusion:
+            _check_quantized_kv(parts, kv)
         self.parts = parts
         self.kv = kv
         self.store = KVStore(len(parts.layers), kv)

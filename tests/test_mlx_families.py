@@ -153,3 +153,18 @@ def test_the_window_mask_is_what_makes_them_equal(models, monkeypatch):
     monkeypatch.setattr(KVRows, "sliding_mask", lambda self, mask, window: mask)
     local = open_local_engine(path)
     assert run(local, [local.tokenizer.encode(PROMPTS[0])])[0].output != want
+
+
+def test_a_quantized_kv_cache_gpt_oss_cannot_use_is_refused_at_the_start(tmp_path):
+    """mlx-lm's quantized attention has no attention sinks: with --kv-bits gpt-oss stops
+    when its layers are set up, in one line, not at its first request."""
+    from common.errors import WedlmError
+    from common.kv_format import KVFormat
+    from common.layer_runner import LayerRunner
+
+    kv = KVFormat(bits=8, group_size=32)
+    parts = load_model_parts(make_mlx_checkpoint(tmp_path / "g", "gpt_oss", head_dim=32))
+    with pytest.raises(WedlmError, match=r"gpt_oss cannot keep its KV quantized.*sinks"):
+        LayerRunner(parts, kv)
+    parts = load_model_parts(make_mlx_checkpoint(tmp_path / "m", "gemma3_text", head_dim=32))
+    LayerRunner(parts, kv)  # sliding windows over quantized KV: mlx-lm's quantized path
