@@ -424,8 +424,9 @@ class CoordinatorServer:
             if e.stage
         ]
         group = self.local.group if self.local is not None else None
-        if group is not None:
-            stages.append(f"a tensor group of {group.size}")
+        if group is not None:  # its own members and links price its forwards
+            spec = group.member.spec
+            stages.append(f"leads a tensor group of {spec.size} over {spec.backend}")
         return CostKey(
             model=self.config.identity,
             device=self.device,
