@@ -59,6 +59,8 @@ class ModelParts(nn.Module):
             model_families.check_layer_call(layer, family)
         windows = tuple(all_windows[i] for i in layer_range) if layer_range else ()
         object.__setattr__(self, "windows", windows)  # a plain attribute, not a child
+        # any layer of the model (not only these) attends through a sliding window
+        object.__setattr__(self, "sliding", any(w is not None for w in all_windows))
         if with_ends:
             self.ends = ModelEnds(full, found)
 

@@ -168,3 +168,31 @@ def test_a_quantized_kv_cache_gpt_oss_cannot_use_is_refused_at_the_start(tmp_pat
         LayerRunner(parts, kv)
     parts = load_model_parts(make_mlx_checkpoint(tmp_path / "m", "gemma3_text", head_dim=32))
     LayerRunner(parts, kv)  # sliding windows over quantized KV: mlx-lm's quantized path
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text"])
+def test_speculative_on_a_sliding_window_family_equals_ar(models, family):
+    """Verified drafts (prompt lookup: these checkpoints are not WeDLM-trained) write and
+    roll back rows of sliding-window layers in natural order: the tokens stay AR's."""
+    path = models[family]
+    local = engine(path)
+    # lookup finds drafts in the repeated words; the prompt crosses the window
+    text = "once upon a time there was a little robot who liked to count once upon a time"
+    prompt = local.tokenizer.encode(text)
+    spec = GenerationParams(mode="speculative", window=4, max_tokens=MAX_TOKENS)
+    seq = local.engine.submit(prompt, spec)
+    for _ in local.engine.stream([seq]):
+        pass
+    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
+    assert seq.output == want and len(want) == MAX_TOKENS
+    assert seq.drafted > 0  # drafts were written, verified and rolled back
+
+
+def test_mode_wedlm_on_a_sliding_window_family_is_refused_with_why(models):
+    from common.errors import InvalidRequest
+
+    local = engine(models["gpt_oss"])
+    prompt = local.tokenizer.encode(PROMPTS[1])
+    with pytest.raises(InvalidRequest, match="mode wedlm is not served for gpt_oss: it has "):
+        local.engine.submit(prompt, GenerationParams(mode="wedlm", max_tokens=4))
+    assert local.engine.default_mode == "ar"  # mode auto decodes it with AR

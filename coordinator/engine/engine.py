@@ -256,6 +256,14 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if params.mode == "wedlm" and getattr(self.parts, "sliding", False):
+            # a window's slots are reordered (committed and filled first), and the sliding
+            # mask counts slots, not logical positions: near a window's edge it would be off
+            raise InvalidRequest(
+                f"mode wedlm is not served for {self.config.family}: it has sliding-window "
+                f"attention layers, whose masks WeDLM's reordered windows do not keep yet "
+                f"(use mode ar or speculative)"
+            )
         masks = params.mode == "wedlm" or params.draft == "mask"
         if masks and not 0 <= self.config.mask_token_id < vocab:
             what = "WeDLM mode" if params.mode == "wedlm" else "mask-slot drafts"
