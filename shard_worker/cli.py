@@ -19,39 +19,18 @@ import ipaddress
 import logging
 import os
 import re
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
+
+from common.stop_signals import StopRequested, StopSignals
 
 PROG = "wedlm-worker"
 SIGNAL_POLL_S = 0.1  # how soon SIGTERM/SIGINT starts the shutdown
 STOP_WAIT_S = 3.0  # for the MLX thread's work in progress (loading layers), at stop
 EXIT_WAIT_S = 3.0  # for the interpreter's own exit, after a stop (see _exit_watchdog)
 log = logging.getLogger(PROG)
-
-
-class StopRequested(BaseException):
-    """SIGTERM or SIGINT while the worker is being built (loading its layers)."""
-
-
-class StopSignals:
-    """SIGTERM and SIGINT, recorded. While `raising` (building the worker: the main thread
-    waits on the MLX thread's load and checks nothing), the handler also raises
-    StopRequested. Else it only appends (no lock): an Event's set() would take the lock of
-    the Event.wait that the signal interrupts on this same thread, and hang for good."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.raising = True
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame) -> None:
-        self.received.append(signum)
-        if self.raising:
-            raise StopRequested(signum)
 
 
 def _exit_watchdog(code: int) -> int:

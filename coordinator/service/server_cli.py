@@ -7,13 +7,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence as Seq
 
 from common.errors import WedlmError
 from common.server_install import require_server_install
+from common.stop_signals import StopRequested, StopSignals
 from coordinator.knobs import Knob, default_of, kind_of
 from coordinator.service.progress_lines import PROGRESS_EVERY_S, still_working
 from coordinator.service.serve_args import serve_options, state_dir
@@ -24,32 +24,6 @@ __all__ = ["apply_config", "build_parser", "main", "serve_options"]
 SIGNAL_POLL_S = 0.05  # how soon SIGTERM/SIGINT starts the drain
 STARTING_STOP_S = 3.0  # a stop while starting waits this long for the planner's thread
 DEATH_LINGER_S = 10.0  # after the engine died: health and clients say why, then exit 1
-
-
-class StopRequested(BaseException):
-    """SIGTERM or SIGINT while the server is being built (a BaseException, as
-    KeyboardInterrupt: no `except Exception` on the way may swallow it)."""
-
-
-class StopSignals:
-    """SIGTERM and SIGINT, recorded. While `raising` (loading the model: plain code on the
-    main thread that checks nothing), the handler also raises StopRequested. Else it only
-    appends (no lock): an Event's set() would take the lock of the Event.wait that the
-    signal interrupts on this same thread, and hang for good."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.raising = True
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, _frame) -> None:
-        self.received.append(signum)
-        if self.raising:
-            raise StopRequested(signum)
-
-    def name(self) -> str:
-        return signal.Signals(self.received[0]).name if self.received else ""
 
 
 def leave_now(code: int) -> None:
