@@ -6,6 +6,7 @@ layers, embedding and head) and a real worker (the rest) on 127.0.0.1, requests 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -57,23 +58,28 @@ def concurrent(address: str) -> list[list[int]]:
     return [results[i] for i in range(len(PROMPTS))]
 
 
+def served_through(path: Path, name: str, worker, address: str, layers: str) -> list[list[int]]:
+    """A coordinator holding `layers` in front of `worker`: the prompts' tokens through it."""
+    procs = [worker]
+    try:
+        coord, grpc = start_coordinator(
+            path, name, "--no-bonjour", "--expect", "1", "--worker", address,
+            "--layers", layers, "--micro-batches", "2",
+        )  # fmt: skip
+        procs.append(coord)
+        coord.expect("serving")
+        return concurrent(grpc)
+    finally:
+        for p in procs:
+            p.stop()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_stages_match_mlx_lm(models, family):
     path = models[family]
     name = cluster_name()
     worker, address = start_worker(path, name, "--no-bonjour", "--layers", "2-3")
-    procs = [worker]
-    try:
-        coord, grpc = start_coordinator(
-            path, name, "--no-bonjour", "--expect", "1", "--worker", address,
-            "--layers", "0-1", "--micro-batches", "2",
-        )  # fmt: skip
-        procs.append(coord)
-        coord.expect("serving")
-        assert concurrent(grpc) == expected(path)
-    finally:
-        for p in procs:
-            p.stop()
+    assert served_through(path, name, worker, address, "0-1") == expected(path)
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "gemma3"])
@@ -84,15 +90,4 @@ def test_a_worker_fetches_a_new_familys_layers(models, family, tmp_path):
     path = models[family]
     name = cluster_name()
     worker, address = start_fetching_worker(name, tmp_path / "cache")
-    procs = [worker]
-    try:
-        coord, grpc = start_coordinator(
-            path, name, "--no-bonjour", "--expect", "1", "--worker", address,
-            "--layers", "0-0", "--micro-batches", "2",
-        )  # fmt: skip
-        procs.append(coord)
-        coord.expect("serving")
-        assert concurrent(grpc) == expected(path)
-    finally:
-        for p in procs:
-            p.stop()
+    assert served_through(path, name, worker, address, "0-0") == expected(path)
