@@ -453,16 +453,18 @@ def make_mlx_checkpoint(
     model_type: str,
     seed: int = 0,
     chat_template: str = CHAT_TEMPLATE,
+    spec: tuple[str, dict[str, Any], bool] | None = None,
     **config_overrides: Any,
 ) -> Path:
-    """A tiny random float32 checkpoint of an mlx-lm family (see MLX_FAMILIES), built from
+    """A tiny random float32 checkpoint of an mlx-lm family (see MLX_FAMILIES, or `spec`:
+    (architecture, config fields, tied head) for a family described elsewhere), built from
     mlx-lm's own Model and ModelArgs and saved as mlx-lm saves one (its parameter names,
     safetensors, config.json, the tokenizer files): what `mlx_lm.load` reads back."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    arch, extra, tied = MLX_FAMILIES[model_type]
+    arch, extra, tied = spec if spec is not None else MLX_FAMILIES[model_type]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fields = {**_MLX_BASE, **extra, **config_overrides}
