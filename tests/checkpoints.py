@@ -47,8 +47,8 @@ TOOL_CHAT_TEMPLATE = (
     "tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
-    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": "
-    "<function-name>, \\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    'and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": '
+    '<function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- else %}{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}{%- endif %}"
@@ -61,8 +61,8 @@ TOOL_CHAT_TEMPLATE = (
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}"
     "{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\\\"name\\\": \\\"' }}{{- tool_call.name }}"
-    "{{- '\\\", \\\"arguments\\\": ' }}{{- tool_call.arguments | tojson }}"
+    '{{- \'\\n<tool_call>\\n{\\"name\\": \\"\' }}{{- tool_call.name }}'
+    '{{- \'\\", \\"arguments\\": \' }}{{- tool_call.arguments | tojson }}'
     "{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
     "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
@@ -318,7 +318,39 @@ _MLX_BASE: dict[str, Any] = {
     "rope_theta": 10000.0,
     "torch_dtype": "float32",
 }
-# model_type -> (architectures, extra config fields, tied head)
+_DEEPSEEK_V3: dict[str, Any] = {
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+}
+_KIMI_K2: dict[str, Any] = {
+    **_DEEPSEEK_V3,
+    "n_routed_experts": 8,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
+# key -> (architectures, extra config fields, tied head); the key is the model_type
+# unless the fields name one (a second config of one family)
 MLX_FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
     # sliding windows on alternate layers, attention sinks, MoE of 4 experts
     "gpt_oss": (
@@ -402,23 +434,59 @@ MLX_FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
         True,
     ),
     # multi-head latent attention (MLA), a dense first layer, then routed + shared experts
-    "deepseek_v3": (
-        "DeepseekV3ForCausalLM",
+    "deepseek_v3": ("DeepseekV3ForCausalLM", _DEEPSEEK_V3, False),
+    # Kimi K2: a deepseek_v3-typed config with grouped expert routing and YaRN RoPE
+    "kimi_k2": ("DeepseekV3ForCausalLM", {"model_type": "deepseek_v3", **_KIMI_K2}, False),
+    # Kimi K2.5 in the multimodal layout: DeepSeek V3 under text_config
+    "kimi_k25": (
+        "KimiK25ForConditionalGeneration",
+        {"text_config": {"model_type": "deepseek_v3", **_DEEPSEEK_V3}},
+        False,
+    ),
+    # GLM-4.5/4.7: MoE with sigmoid routing and a dense first layer, q/k norms, partial RoPE
+    "glm4_moe": (
+        "Glm4MoeForCausalLM",
         {
-            "kv_lora_rank": 16,
-            "q_lora_rank": 32,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 16,
-            "v_head_dim": 16,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
+            "norm_topk_prob": True,
             "n_group": 1,
             "topk_group": 1,
+            "n_shared_experts": 1,
+            "n_routed_experts": 4,
             "routed_scaling_factor": 1.0,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "rope_scaling": None,
+            "use_qk_norm": True,
+            "attention_bias": True,
+            "partial_rotary_factor": 0.5,
         },
+        False,
+    ),
+    # MiniMax M2.x: every layer MoE (sigmoid routing with a correction bias), q/k norms
+    # over all heads, partial RoPE
+    "minimax": (
+        "MiniMaxM2ForCausalLM",
+        {
+            "intermediate_size": 32,
+            "num_experts_per_tok": 2,
+            "num_local_experts": 4,
+            "shared_intermediate_size": 0,
+            "rotary_dim": 8,
+            "use_qk_norm": True,
+        },
+        False,
+    ),
+    # Mistral 3 in the multimodal layout with a Mistral (llama) text model
+    "mistral3": (
+        "Mistral3ForConditionalGeneration",
+        {"text_config": {"model_type": "mistral", "tie_word_embeddings": False}},
+        False,
+    ),
+    # Llama 4's text model alone: q/k norms, RoPE skipped on every fourth layer
+    "llama4_text": (
+        "Llama4ForCausalLM",
+        {"intermediate_size_mlp": 128, "no_rope_layers": [1, 1, 1, 0], "use_qk_norm": True},
         False,
     ),
 }
