@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +18,7 @@ from common.kv_rows import KVRows
 from common.layer_range import LayerRange
 from common.model_config import ModelConfig, load_model_config
 from common.model_ends import ModelEnds
-from common.parts_weights import install_weights, quantize_parts
+from common.parts_weights import checkpoint_quantization, install_weights, quantize_as_stored
 from common.weights_match import check_weights
 
 
@@ -105,20 +104,6 @@ class ModelParts(nn.Module):
         return total
 
 
-def _quantize(parts: ModelParts, quant: dict[str, Any], weights: dict[str, mx.array]) -> None:
-    from mlx_lm.utils import infer_quant_config
-
-    def predicate(path: str, module: nn.Module) -> bool | dict:
-        original = parts.checkpoint_name(path)
-        if original in quant:  # per-module override, as mlx-lm writes it
-            return quant[original]
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-            return False
-        return infer_quant_config(path, module, weights)
-
-    quantize_parts(parts, quant, predicate)
-
-
 def load_model_parts(
     path: str | Path,
     layer_range: LayerRange | None = None,
@@ -163,8 +148,8 @@ def load_model_parts(
     raw = sanitize(raw) if sanitize is not None else raw
     weights = {keep(k): v for k, v in raw.items() if keep(k) is not None}
     del full
-    if config.quantization:
-        _quantize(parts, config.quantization, weights)
+    if quant := checkpoint_quantization(config.raw, config.path / "config.json"):
+        quantize_as_stored(parts, quant, weights, parts.checkpoint_name)
     check_weights(parts, weights, config.path, parts.checkpoint_name)
     install_weights(parts, weights, config.path)
     if with_ends:

@@ -1,9 +1,11 @@
-"""Putting checkpoint weights into a module of model parts: quantizing it as config.json
-says, then loading and materializing the weights. A leaf: model_parts.py and
-diffusion/parts.py both import it, and it imports neither."""
+"""Putting checkpoint weights into a module of model parts: quantizing it as the
+checkpoint says (mlx-lm's load_model, module by module), then loading and materializing
+the weights. A leaf: model_parts.py and diffusion/parts.py both import it, and it imports
+neither."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,90 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from common.errors import CheckpointError
+
+# quantization_config's methods that mlx-lm's load_model maps onto one MLX mode
+_ONE_MODE = {
+    "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
+    "mxfp8": {"group_size": 32, "bits": 8, "mode": "mxfp8"},
+}
+# methods whose packed weights mlx-lm rewrites before loading (not done here)
+_REWRITTEN = ("awq", "gptq", "bitnet")
+
+
+def checkpoint_quantization(raw: dict[str, Any], where: Path) -> dict[str, Any] | None:
+    """The `quantization` mlx-lm's load_model applies to this config.json (`raw`): its own
+    (defaults plus per-module entries), or the one mlx-lm derives from a Hugging Face
+    `quantization_config` (openai/gpt-oss's mxfp4 experts, mxfp8, fp8 in 32x32 blocks of
+    power-of-two scales, compressed-tensors, NVIDIA ModelOpt's NVFP4). None: not quantized."""
+    if raw.get("quantization") is not None:
+        return raw["quantization"]
+    legacy = raw.get("quantization_config") or (raw.get("text_config") or {}).get(
+        "quantization_config"
+    )
+    if not isinstance(legacy, dict) or "quant_method" not in legacy:
+        return None
+    method = legacy["quant_method"]
+    if method in _ONE_MODE:
+        return dict(_ONE_MODE[method])
+    if method == "fp8":
+        # power-of-two scales over 32x32 blocks are mxfp8; other fp8 checkpoints are
+        # dequantized by their family's sanitize (mlx-lm's rule)
+        blocks = list(legacy.get("weight_block_size", ()))
+        if legacy.get("scale_fmt") == "ue8m0" and blocks == [32, 32]:
+            return dict(_ONE_MODE["mxfp8"])
+        return None
+    if method == "compressed-tensors":
+        from mlx_lm.utils import _compressed_tensors_quantization
+
+        try:
+            return _compressed_tensors_quantization(legacy)
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{where}: quantization_config: {e}") from None
+    if method == "modelopt":
+        settings = legacy.get("quantization", legacy)
+        if settings.get("quant_algo") != "NVFP4":
+            raise CheckpointError(
+                f"{where}: quantization_config's quant_algo is "
+                f"{settings.get('quant_algo')!r}; modelopt checkpoints load as NVFP4 only"
+            )
+        return {"group_size": settings.get("group_size", 16), "bits": 4, "mode": "nvfp4"}
+    if method in _REWRITTEN:
+        raise CheckpointError(
+            f"{where}: quantization_config's quant_method {method!r} is not loaded by this "
+            "engine (convert it with mlx_lm.convert first)"
+        )
+    return None  # as mlx-lm: a method it does not know leaves the modules as they are
+
+
+def quantize_as_stored(
+    parts: nn.Module,
+    quant: dict[str, Any],
+    weights: dict[str, mx.array],
+    checkpoint_name: Callable[[str], str],
+) -> None:
+    """Quantize `parts` module by module as mlx-lm's load_model quantizes the whole model:
+    a module the checkpoint's `quantization` names (by its path in mlx-lm's model:
+    `checkpoint_name`) gets that entry (mixed bits, modes, or False), any other module
+    with stored scales gets the settings its tensors' shapes and dtypes imply (mlx-lm's
+    infer_quant_config), an NVFP4 switch layer with a stored global scale keeps it.
+    `weights` are keyed by `parts`' own parameter names."""
+    from mlx_lm.utils import _takes_global_scale, infer_quant_config
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        original = checkpoint_name(path)
+        if original in quant:  # per-module override, as mlx-lm writes it
+            return quant[original]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        try:
+            params = infer_quant_config(path, module, weights)
+        except ValueError as e:  # bits and group size no MLX mode packs
+            raise CheckpointError(f"{original}: {e}") from None
+        if f"{path}.global_scale" in weights and _takes_global_scale(module):
+            params["global_scale"] = True
+        return params
+
+    quantize_parts(parts, quant, predicate)
 
 
 def quantize_parts(parts: nn.Module, quant: dict[str, Any], predicate) -> None:
