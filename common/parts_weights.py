@@ -121,4 +121,19 @@ def install_weights(parts: nn.Module, weights: dict[str, mx.array], path: Path) 
         # MLX's CPU backend emulates float16/bfloat16 arithmetic (tens of times slower);
         # compute in float32 there. GPUs keep the checkpoint's dtype.
         parts.set_dtype(mx.float32)
-    mx.eval(parts.parameters())
+    mx.eval(parts.parameters(), _held_arrays(parts))
+
+
+def _held_arrays(parts: nn.Module) -> list[mx.array]:
+    """Arrays modules keep outside their parameters (a YaRN RoPE's `_freqs`, computed at
+    construction). Left lazy they would belong to the stream of the thread that loaded the
+    model, and the engine thread that runs the forwards could not evaluate them."""
+    held = []
+    for _, module in parts.named_modules():
+        # an nn.Module keeps arrays as dict items ("_" names are not parameters)
+        for value in [*module.values(), *vars(module).values()]:
+            if isinstance(value, mx.array):
+                held.append(value)
+            elif isinstance(value, (list, tuple)):
+                held.extend(v for v in value if isinstance(v, mx.array))
+    return held

@@ -148,7 +148,7 @@ def shape_config(name: str, layers: int | None, shrink: bool) -> dict[str, Any]:
         if "layer_types" in text:
             text["layer_types"] = text["layer_types"][:layers]
         if "first_k_dense_replace" in text:  # keep MoE layers in a cut DeepSeek
-            text["first_k_dense_replace"] = min(text["first_k_dense_replace"], max(layers - 2, 1))
+            text["first_k_dense_replace"] = min(text["first_k_dense_replace"], max(layers // 4, 1))
     if shrink:
         text.update({k: v for k, v in SHRINK.items() if k in text})
     if "text_config" in config:
