@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
+from common.errors import WedlmError
 from common.model_config import ModelConfig
 
 BACKENDS = ("ring", "jaccl", "nccl")
@@ -78,20 +78,40 @@ def available_backends(rdma_ports: list | None = None) -> list[str]:
     return [b for b in BACKENDS if mx.distributed.is_available(b) and (b != "jaccl" or rdma_ports)]
 
 
-def _model_class(config: ModelConfig):
+def _model_module(config: ModelConfig):
     try:
-        return importlib.import_module(f"mlx_lm.models.{config.family}").Model
-    except (ImportError, AttributeError):
+        return importlib.import_module(f"mlx_lm.models.{config.family}")
+    except ImportError:
         return None
+
+
+def no_shard_problem(config: ModelConfig) -> str | None:
+    """Why mlx-lm cannot split this family at all (None: its Model has `shard`)."""
+    if config.diffusion:
+        return f"{config.model_type} (a diffusion model) has no tensor-parallel split"
+    module = _model_module(config)
+    if module is None or not hasattr(getattr(module, "Model", None), "shard"):
+        return (
+            f"{config.family} cannot be split across a tensor group: mlx-lm has no shard "
+            "for it; use stages"
+        )
+    return None
+
+
+def check_tp_flag(config: ModelConfig, tp: int | str) -> None:
+    """`--tp N` (N > 1) for a family mlx-lm has no shard for: refused at start, in one
+    line (`--tp auto` plans it as stages and says why)."""
+    if isinstance(tp, int) and tp > 1 and not config.diffusion:
+        problem = no_shard_problem(config)
+        if problem is not None:
+            raise WedlmError(f"--tp {tp}: {problem}")
 
 
 def shard_problem(config: ModelConfig, size: int) -> str | None:
     """Why this model's layers cannot be split `size` ways (None: they can)."""
-    if config.diffusion:
-        return f"{config.model_type} (a diffusion model) has no tensor-parallel split"
-    model = _model_class(config)
-    if model is None or not hasattr(model, "shard"):
-        return f"mlx-lm's {config.family} has no Model.shard: its layers are not split"
+    problem = no_shard_problem(config)
+    if problem is not None:
+        return problem
     raw = config.raw
     heads = int(raw.get("num_attention_heads") or 0)
     kv_heads = int(raw.get("num_key_value_heads") or heads)
@@ -107,8 +127,16 @@ def shard_problem(config: ModelConfig, size: int) -> str | None:
 
 
 def shard_layers(config: ModelConfig, layers: list, group) -> None:
-    """Split `layers` (a process's loaded, contiguous range) in place over `group`, the
-    way mlx-lm's `Model.shard` splits a whole model: the method only walks
-    `self.model.layers`, so it is called on a stand-in that holds just these."""
-    stand_in = SimpleNamespace(model=SimpleNamespace(layers=layers))
-    _model_class(config).shard(stand_in, group)
+    """Split `layers` (a process's loaded, contiguous range) in place over `group` with
+    mlx-lm's own `Model.shard`: a fresh model of the family (lazy parameters, never
+    evaluated) is given these layers in place of its own, wherever the family keeps its
+    list (model.layers, language_model.model.layers...), so a shard that also reads the
+    model's args or its `layers` property runs unchanged."""
+    from common.model_families import find_layers
+
+    arch = _model_module(config)
+    model = arch.Model(arch.ModelArgs.from_dict(config.mlx_args()))
+    found = find_layers(model, config.family)
+    setattr(found.owner, found.attr, list(layers))
+    model.shard(group)
+    layers[:] = getattr(found.owner, found.attr)  # a shard may replace a layer whole

@@ -36,6 +36,7 @@ from common.layer_sizes import compute_dtype, kv_bytes_per_token
 from common.mlx_thread_exit import release_mlx_thread
 from common.model_parts import load_model_parts
 from common.proto_gen import wedlm_pb2 as pb
+from common.tensor_group.spec import check_tp_flag
 from common.tls import TlsConfig, bind
 from common.tokenizer import Tokenizer
 from coordinator.cluster.cluster_setup import LOCAL, WorkerEntry
@@ -161,6 +162,7 @@ class CoordinatorServer:
         host_info.wire_model_memory()  # this thread owns MLX until the engine thread starts
         ends = load_model_parts(opts.model, with_layers=False)
         self.config = ends.config
+        check_tp_flag(self.config, opts.tp)  # --tp N for a family mlx-lm cannot shard
         self.engine = engine_for(
             ends,
             _NotReady(),

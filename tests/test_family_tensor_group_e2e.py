@@ -1,0 +1,60 @@
+"""Families mlx-lm can shard, through a TP=2 tensor group: the coordinator is rank 0 of a
+group with one real worker (rank 1) over mlx.distributed's ring backend on 127.0.0.1, each
+member's layers split by mlx-lm's own `Model.shard` (gpt-oss: sliding windows, sinks and
+MoE experts; DeepSeek V3: MLA heads, a dense first layer, routed and shared experts).
+Requests at once: every request's greedy float32 tokens equal mlx-lm's `generate_step`.
+A family mlx-lm cannot shard is refused at start with one line when --tp asks for a group."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.checkpoints import make_mlx_checkpoint
+from tests.cluster_harness import cluster_name, spawn, start_coordinator, start_worker
+from tests.test_mlx_families_e2e import concurrent, expected
+from wedlm_client.client import WedlmClient
+
+pytestmark = pytest.mark.e2e
+# a lost member is found when a forward's collectives do not finish within this bound
+GROUP_ENV = {"WEDLM_GROUP_BOUND_S": "30"}
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_tp2_group_matches_mlx_lm(family, tmp_path):
+    path = make_mlx_checkpoint(tmp_path / family, family, seed=5)
+    name = cluster_name()
+    worker, address = start_worker(path, name, "--no-bonjour", env=GROUP_ENV)
+    procs = [worker]
+    try:
+        coord, grpc = start_coordinator(
+            path, name, "--no-bonjour", "--worker", address, "--expect", "1", "--tp", "2",
+            env=GROUP_ENV,
+        )  # fmt: skip
+        procs.append(coord)
+        coord.expect("serving", timeout=240)
+        with WedlmClient(grpc) as client:
+            status = client.cluster_status()
+        (member,) = [w for w in status.workers if w.health == "serving"]
+        assert member.group_leader == "coordinator" and member.info.group_rank == 1
+        assert member.info.group_size == 2 and member.info.group_backend == "ring"
+        assert "tensor group" in status.plan_note, status.plan_note
+        assert concurrent(grpc) == expected(path)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_family_without_shard_is_refused_at_start(tmp_path):
+    """Gemma 3 has no `shard` in mlx-lm: --tp 2 stops the start with one line that says
+    so and what to use instead (--tp auto plans it as stages)."""
+    path = make_mlx_checkpoint(tmp_path / "gemma3_text", "gemma3_text", seed=5)
+    proc = spawn(
+        "coordinator.service.server_cli", "serve", "--model", str(path), "--port", "0",
+        "--cluster", cluster_name(), "--no-bonjour", "--state-dir", "none", "--tp", "2",
+    )  # fmt: skip
+    code, output = proc.wait_exit()
+    line = (
+        "gemma3_text cannot be split across a tensor group: mlx-lm has no shard for it; use stages"
+    )
+    assert code != 0 and line in output, output
+    assert "Traceback" not in output, output
