@@ -1,0 +1,261 @@
+"""Quantized checkpoints of the new families, made the way real ones are (mlx-lm's convert:
+MXFP4 as gpt-oss ships, NVFP4, MXFP8, mixed per-module bits; gpt-oss in openai's own
+MXFP4 layout) load exactly as mlx-lm's `load` loads them: the same module quantized the
+same way, the same logits and greedy tokens (float32 activations on both sides: like for
+like); --kv-bits over them; the layer bytes the planner sees are the quantized ones; a
+hub id resolves from the local Hugging Face cache offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from common.errors import CheckpointError, WedlmError
+from common.generation_params import GenerationParams
+from common.kv_format import KVFormat
+from common.kv_rows import KVRows
+from common.layer_range import LayerRange
+from common.layer_runner import LayerRunner
+from common.layer_sizes import compute_dtype, estimated_layer_bytes, loaded_layer_bytes
+from common.model_config import load_model_config
+from common.model_parts import load_model_parts, run_layers
+from coordinator.engine.local_engine import open_local_engine
+from tests.checkpoints import make_checkpoint, make_mlx_checkpoint, mlx_lm_greedy
+from tests.hub_cache import add_to_hub_cache
+from tests.quantized_checkpoints import openai_gpt_oss_layout, quantize_checkpoint
+
+PROMPT = "once upon a time there was a little robot who liked to count"
+MAX_TOKENS = 16
+# (family, recipe): the checkpoints greedy decoding is compared on
+GREEDY = [
+    ("gpt_oss", "mxfp4"),  # MXFP4 experts and attention, 8-bit affine routers (mlx-lm's)
+    ("gpt_oss", "openai"),  # openai's layout: quantization_config, `_blocks`
+    ("gpt_oss", "mixed_3_6"),
+    ("deepseek_v3", "mxfp4"),
+    ("deepseek_v3", "mixed_3_6"),
+    ("qwen3", "mixed_3_6"),
+]
+LOGITS = [(f, r) for f in ("qwen3", "gpt_oss", "deepseek_v3") for r in ("nvfp4", "mxfp8")]
+
+
+class Checkpoints:
+    """Float checkpoints per family and their conversions, made once per module."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.made: dict[tuple[str, str], Path] = {}
+
+    def __call__(self, family: str, recipe: str) -> Path:
+        key = (family, recipe)
+        if key in self.made:
+            return self.made[key]
+        if recipe == "float":
+            out = self.root / family
+            if family == "qwen3":  # transformers' checkpoint (hub names), head dim 32
+                path = make_checkpoint(out, "qwen3", seed=3, head_dim=32)
+            else:
+                path = make_mlx_checkpoint(out, family, seed=3)
+        elif recipe == "openai":
+            float_dir, packed = self(family, "float"), self(family, "mxfp4")
+            path = openai_gpt_oss_layout(float_dir, packed, self.root / f"{family}-openai")
+        else:
+            path = quantize_checkpoint(
+                self(family, "float"), self.root / f"{family}-{recipe}", recipe
+            )
+        self.made[key] = path
+        return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("quantized"))
+
+
+def quantization_of(model: nn.Module, rename=lambda p: p) -> dict[str, tuple]:
+    """Every quantized module: its class, bits, group size and mode."""
+    out = {}
+    for path, m in model.named_modules():
+        if hasattr(m, "bits") and hasattr(m, "group_size"):
+            out[rename(path)] = (type(m).__name__, m.bits, m.group_size, getattr(m, "mode", None))
+    return out
+
+
+def mlx_lm_model(path: Path) -> nn.Module:
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(path)
+    model.set_dtype(mx.float32)  # as load_model_parts on a CPU
+    return model
+
+
+def logits(parts, tokens: mx.array) -> np.ndarray:
+    kv = KVRows(len(parts.layers), 1)
+    t = tokens.shape[1]
+    return np.array(
+        parts.head(run_layers(parts, parts.embed(tokens), kv, np.tri(t, dtype=bool)[None]))
+    )
+
+
+TOKENS = mx.array([[5, 17, 99, 3, 250, 7, 42, 8, 301, 11, 64, 2]])
+
+
+@pytest.mark.parametrize(("family", "recipe"), GREEDY + LOGITS)
+def test_modules_and_logits_are_mlx_lms(checkpoints, family, recipe):
+    """Module by module the quantization mlx-lm's load applies (mixed bits and modes in one
+    model included); the logits equal mlx-lm's, fused projections or not."""
+    path = checkpoints(family, recipe)
+    ref = mlx_lm_model(path)
+    own = load_model_parts(path, fuse=False)
+    theirs = quantization_of(ref)
+    assert quantization_of(own, own.checkpoint_name) == theirs
+    assert {mode for _, _, _, mode in theirs.values()} >= {
+        "openai": {"mxfp4"}, "mixed_3_6": {"affine"}
+    }.get(recipe, {recipe})  # fmt: skip
+    if recipe == "mixed_3_6":
+        assert {bits for _, bits, _, _ in theirs.values()} == {3, 6}
+    want = np.array(ref(TOKENS))
+    np.testing.assert_allclose(logits(own, TOKENS), want, rtol=1e-5, atol=1e-5)
+    fused = load_model_parts(path)
+    np.testing.assert_allclose(logits(fused, TOKENS), want, rtol=1e-5, atol=1e-5)
+
+
+def fused_groups(parts) -> list[str]:
+    return [p for p, _ in parts.named_modules() if p.endswith(("qkv_proj", "gate_up_proj"))]
+
+
+def test_projections_fuse_in_every_mode_and_only_alike(checkpoints):
+    """q/k/v fuse into one MXFP4 (or NVFP4) matmul, exactly; in a mixed checkpoint a v_proj
+    of 6 bits beside 3-bit q/k keeps the layer's own projections."""
+    for recipe in ("mxfp4", "nvfp4"):
+        parts = load_model_parts(checkpoints("qwen3", recipe))
+        qkv = parts.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv, nn.QuantizedLinear) and qkv.mode == recipe
+        assert len(fused_groups(parts)) == 2 * len(parts.layers)  # qkv and gate_up
+    mixed = load_model_parts(checkpoints("qwen3", "mixed_3_6"))
+    bits = {p: m.bits for p, m in mixed.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    for i in range(len(mixed.layers)):
+        attn = f"layers.{i}.self_attn"
+        if f"{attn}.v_proj" in bits:  # q/k/v differ here: not fused
+            assert bits[f"{attn}.v_proj"] != bits[f"{attn}.q_proj"]
+        else:
+            assert f"{attn}.qkv_proj" in bits
+
+
+@pytest.mark.parametrize(("family", "recipe"), GREEDY)
+def test_greedy_tokens_equal_mlx_lms(checkpoints, family, recipe):
+    path = checkpoints(family, recipe)
+    local = open_local_engine(path)
+    prompt = local.tokenizer.encode(PROMPT)
+    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
+    assert len(set(want)) > 2, "degenerate random model: the test would prove little"
+    seq = local.engine.submit(prompt, GenerationParams(mode="ar", max_tokens=MAX_TOKENS))
+    for _ in local.engine.stream([seq]):
+        pass
+    assert seq.output == want
+
+
+def test_layer_bytes_the_planner_sees_are_the_quantized_ones(checkpoints):
+    """A worker's estimate from the safetensors headers (before it loads) equals what its
+    loaded layers hold, and is the quantized size, not the float one."""
+    for family, recipe in (("gpt_oss", "mxfp4"), ("gpt_oss", "openai"), ("qwen3", "mixed_3_6")):
+        path = checkpoints(family, recipe)
+        config = load_model_config(path)
+        estimate = estimated_layer_bytes(config, compute_dtype(config))
+        parts = load_model_parts(path, LayerRange.full(config.num_layers), with_ends=False)
+        assert estimate == loaded_layer_bytes(parts), (family, recipe)
+        plain = load_model_config(checkpoints(family, "float"))
+        assert estimate < 0.6 * estimated_layer_bytes(plain, compute_dtype(plain))
+
+
+def test_kv_bits_over_quantized_weights(checkpoints, tmp_path):
+    """--kv-bits 8 over MXFP4 weights: mlx-lm's tokens with its quantized KV cache; gpt-oss
+    (attention sinks, which mlx-lm's quantized attention lacks) is refused in one line."""
+    path = checkpoints("qwen3", "mxfp4")
+    kv = KVFormat(bits=8, group_size=32)
+    local = open_local_engine(path, kv=kv)
+    prompt = local.tokenizer.encode(PROMPT)
+    from mlx_lm.generate import generate_step
+
+    model = mlx_lm_model(path)
+    steps = generate_step(
+        mx.array(prompt), model, max_tokens=MAX_TOKENS, kv_bits=8, kv_group_size=32,
+        quantized_kv_start=0,
+    )  # fmt: skip
+    want = [int(t) for t, _ in steps]
+    seq = local.engine.submit(prompt, GenerationParams(mode="ar", max_tokens=MAX_TOKENS))
+    for _ in local.engine.stream([seq]):
+        pass
+    assert seq.output == want
+    # head dim 32, so that the KV group size divides it and the sinks are what stops it
+    float_dir = make_mlx_checkpoint(tmp_path / "g", "gpt_oss", seed=3, head_dim=32)
+    gpt_oss = load_model_parts(quantize_checkpoint(float_dir, tmp_path / "g4", "mxfp4"))
+    with pytest.raises(WedlmError, match=r"gpt_oss cannot keep its KV quantized.*sinks"):
+        LayerRunner(gpt_oss, kv)
+
+
+def _edited(src: Path, dst: Path, edit) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    edit(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_quantization_that_disagrees_with_the_weights_is_refused_in_one_line(checkpoints, tmp_path):
+    path = checkpoints("gpt_oss", "mxfp4")
+    router = "model.layers.0.mlp.router"
+
+    def four_bit_router(config):
+        config["quantization"][router] = {"group_size": 32, "bits": 4}
+
+    bad = _edited(path, tmp_path / "router", four_bit_router)
+    with pytest.raises(
+        CheckpointError, match=rf"tensor {router}\.\w+ has shape .*config\.json expects"
+    ):
+        load_model_parts(bad)
+
+    def awq(config):
+        del config["quantization"]
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+
+    bad = _edited(path, tmp_path / "awq", awq)
+    with pytest.raises(CheckpointError, match=r"config\.json: quantization_config's "
+                       r"quant_method 'awq' is not loaded by this engine"):  # fmt: skip
+        load_model_parts(bad)
+
+
+def wedlm_generate(model: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "wedlm_client.cli", "generate", "--model", model,
+         "--prompt", PROMPT, "--mode", "ar", "--max-tokens", str(MAX_TOKENS), "--json"],
+        capture_output=True, text=True, timeout=180, env={**os.environ, **env},
+    )  # fmt: skip
+
+
+def test_a_hub_id_resolves_from_the_local_cache_offline(checkpoints, tmp_path):
+    """`wedlm generate --model org/name` with no network: the cached snapshot, mlx-lm's
+    tokens; an id that is not cached is one line, no traceback."""
+    path = checkpoints("gpt_oss", "mxfp4")
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(add_to_hub_cache(tmp_path / "hub", "wedlm-tests/gpt-oss-mxfp4", path)),
+    }
+    out = wedlm_generate("wedlm-tests/gpt-oss-mxfp4", env)
+    assert out.returncode == 0, out.stderr
+    local = open_local_engine(path)
+    prompt = local.tokenizer.encode(PROMPT)
+    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
+    assert json.loads(out.stdout)["tokens"] == want
+    out = wedlm_generate("wedlm-tests/not-cached", env)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    (line,) = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert "wedlm-tests/not-cached is not a folder here and not in the Hugging Face cache" in line
