@@ -119,3 +119,18 @@ def test_readme_is_a_front_door_to_the_documents_behind_it():
         assert not first.startswith(("#", "|", "-", "```")), (
             f"docs/{name} should open with a sentence saying what it is for, not {first[:40]!r}"
         )
+
+
+def test_readme_keeps_the_commands_ci_and_the_e2e_tests_run():
+    """`.ci/run` runs "exactly the README's test command", and tests/test_local_cluster_e2e.py
+    types the README's main command: the README must still show both, verbatim."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    ci = (ROOT / ".ci/run").read_text(encoding="utf-8").splitlines()
+    marker = next(i for i, line in enumerate(ci) if line.startswith("# README test command"))
+    test_command = ci[marker + 1].strip()
+    assert test_command.startswith("python3 -m venv .venv"), test_command
+    assert f"\n{test_command}\n" in readme, (
+        f".ci/run's test command is not in README.md: {test_command}"
+    )
+    main = "wedlm-coordinator local --model default --workers 2 --chat --prompt"
+    assert main in readme, f"README.md lost its main command ({main} ...)"
