@@ -12,6 +12,7 @@ from common.errors import WedlmError
 if TYPE_CHECKING:  # the client install imports this module (the CLI's choices), without MLX
     import mlx.core as mx
 
+    from common.layer_range import LayerRange
     from common.model_config import ModelConfig
 
 KV_BITS = (4, 8)
@@ -56,17 +57,32 @@ class KVFormat:
                 f"{', '.join(str(g) for g in KV_GROUP_SIZES if dim % g == 0) or 'none'}"
             )
 
-    def bytes_per_token(self, config: ModelConfig, dtype: mx.Dtype, layers: int) -> int:
-        """Keys and values of one token across `layers` layers, as stored."""
-        raw = config.raw
-        heads = int(raw.get("num_attention_heads") or 1)
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        dim = head_dim(config)
-        if self.quantized:  # packed values plus a scale and a bias per group, in dtype
-            per_head = dim * self.bits // 8 + 2 * (dim // self.group_size) * dtype.size
-        else:
-            per_head = dim * dtype.size
-        return 2 * kv_heads * per_head * max(1, layers)
+    def bytes_per_token(
+        self, config: ModelConfig, dtype: mx.Dtype, layers: int | LayerRange
+    ) -> int:
+        """Keys and values of one token across `layers`, as stored: each layer's own
+        (common/layer_kv.py reads them from mlx-lm's layers). A count of layers costs
+        that many of the model's average layer (rounded up); a range, its own layers."""
+        per_layer = self.layer_bytes_per_token(config, dtype)
+        if isinstance(layers, int):
+            return -(-sum(per_layer) * max(1, layers) // len(per_layer))
+        return sum(per_layer[i] for i in layers)
+
+    def layer_bytes_per_token(self, config: ModelConfig, dtype: mx.Dtype) -> tuple[int, ...]:
+        """Per layer of the model, the bytes one token's keys and values take in it."""
+        from common.layer_kv import kv_token_shapes
+
+        return tuple(
+            sum(heads * self._row_bytes(dim, dtype) for heads, dim in shape)
+            for shape in kv_token_shapes(config)
+        )
+
+    def _row_bytes(self, dim: int, dtype: mx.Dtype) -> int:
+        """One head's row of `dim` values: packed words plus a scale and a bias per group
+        when quantized, else `dim` values in dtype."""
+        if self.quantized:
+            return dim * self.bits // 8 + 2 * (-(-dim // self.group_size)) * dtype.size
+        return dim * dtype.size
 
     def label(self) -> str:
         return f"{self.bits}-bit (groups of {self.group_size})" if self.quantized else "full"

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 from common.checkpoint_weights import layer_of, weight_files
 from common.errors import CheckpointError
 from common.kv_format import FULL, KVFormat
+from common.layer_range import LayerRange
 from common.model_config import ModelConfig
 from common.model_parts import ModelParts
 
@@ -72,22 +73,32 @@ def _header(path: Path) -> dict:
         raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
 
 
-def estimated_layer_bytes(config: ModelConfig, dtype: mx.Dtype) -> int:
-    """Average bytes of one layer once loaded: floating tensors in `dtype`, others as stored."""
-    itemsize = dtype.size
-    total = 0
+def layer_weight_bytes(config: ModelConfig, dtype: mx.Dtype | None = None) -> tuple[int, ...]:
+    """Per layer (0..num_layers-1), the bytes of its weights from the safetensors headers:
+    floating tensors in `dtype` (None: as stored), others as stored. Layers past
+    num_hidden_layers (DeepSeek's and GLM's multi-token-prediction layers, which mlx-lm's
+    sanitize drops) are neither loaded nor counted."""
+    sizes = [0] * config.num_layers
     for path in weight_files(config.path):
         for key, entry in _header(path).items():
-            if key == "__metadata__" or layer_of(key) is None:
+            layer = layer_of(key) if key != "__metadata__" else None
+            if layer is None or layer >= config.num_layers:
                 continue
             start, end = entry["data_offsets"]
             size, floating = _ST_DTYPES.get(entry["dtype"], (1, False))
-            total += (end - start) // size * itemsize if floating else end - start
-    return total // config.num_layers
+            scaled = dtype is not None and floating
+            sizes[layer] += (end - start) // size * dtype.size if scaled else end - start
+    return tuple(sizes)
+
+
+def estimated_layer_bytes(config: ModelConfig, dtype: mx.Dtype) -> int:
+    """Average bytes of one layer once loaded: floating tensors in `dtype`, others as stored."""
+    return sum(layer_weight_bytes(config, dtype)) // config.num_layers
 
 
 def kv_bytes_per_token(
-    config: ModelConfig, dtype: mx.Dtype, layers: int, kv: KVFormat = FULL
+    config: ModelConfig, dtype: mx.Dtype, layers: int | LayerRange, kv: KVFormat = FULL
 ) -> int:
-    """Keys and values of one token across `layers` layers, as `kv` stores them."""
+    """Keys and values of one token across `layers` (a count of average layers, or a
+    range of the model's own), as `kv` stores them."""
     return kv.bytes_per_token(config, dtype, layers)

@@ -10,10 +10,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from common.checkpoint_weights import layer_nbytes
+import mlx.core as mx
+
 from common.errors import WedlmError
 from common.kv_format import FULL, KVFormat
 from common.layer_range import LayerRange
+from common.layer_sizes import layer_weight_bytes
 from common.model_config import ModelConfig
 from common.proto_gen import wedlm_pb2 as pb
 from common.tensor_group.spec import GroupSpec
@@ -51,11 +53,13 @@ class WorkerEntry:
         return self.health == "serving" and self.layers is not None and not self.follower
 
 
-def kv_bytes_per_layer(config: ModelConfig, reserve_tokens: int, dtype_bytes: int) -> int:
-    raw = config.raw
-    heads = raw.get("num_key_value_heads") or raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or config.hidden_size // raw["num_attention_heads"]
-    return 2 * heads * head_dim * dtype_bytes * reserve_tokens
+def kv_bytes_per_layer(
+    config: ModelConfig, reserve_tokens: int, kv: KVFormat = FULL
+) -> tuple[int, ...]:
+    """Per layer, the KV reserve of `reserve_tokens` tokens as that layer stores them
+    (MLA's latent, a layer with no KV of its own: common/layer_kv.py)."""
+    dtype = mx.bfloat16 if _dtype_bytes(config) == 2 else mx.float32
+    return tuple(b * reserve_tokens for b in kv.layer_bytes_per_token(config, dtype))
 
 
 def probe(
@@ -169,6 +173,7 @@ def plan_stages(
     kv_reserve_tokens: int,
     local: LocalMember | None,
     grouped_local: WorkerEntry | None = None,
+    kv_format: KVFormat = FULL,
 ) -> dict[str, LayerRange]:
     """Layer ranges of the coordinator (key LOCAL) and the serving workers; raises
     PlanError when no valid plan exists. `grouped_local`: the coordinator's entry when
@@ -177,9 +182,9 @@ def plan_stages(
     if not usable and local is None:
         details = "; ".join(f"{e.address}: {e.detail}" for e in entries) or "none found"
         raise PlanError(f"no usable worker ({details})")
-    per_layer = layer_nbytes(config.path)
+    per_layer = layer_weight_bytes(config)  # each layer's own bytes, as stored
     workers = [WorkerCapacity(e.address, _group_room(e, per_layer), _fixed(e)) for e in usable]
-    kv = kv_bytes_per_layer(config, kv_reserve_tokens, _dtype_bytes(config))
+    kv = kv_bytes_per_layer(config, kv_reserve_tokens, kv_format)
     if local is not None:
         local_room = local.available_bytes
         if grouped_local is not None and grouped_local.group is not None:
@@ -209,7 +214,8 @@ def _dtype_bytes(config: ModelConfig) -> int:
 def model_shape(config: ModelConfig) -> Shape:
     """What `--tp auto` weighs: the layers' weight bytes and a token's hidden state."""
     hidden = config.hidden_size * _dtype_bytes(config)
-    return Shape(config.num_layers, layer_nbytes(config.path), hidden)
+    per_layer = layer_weight_bytes(config)
+    return Shape(config.num_layers, sum(per_layer) // len(per_layer), hidden)
 
 
 def assemble(
@@ -247,7 +253,7 @@ def assemble(
         for g in groups:
             for m in g.members:
                 m.group = g
-        plan = plan_stages(entries, config, kv_reserve_tokens, local, me)
+        plan = plan_stages(entries, config, kv_reserve_tokens, local, me, kv)
         started: list = []
         failed = _load(entries, plan, config, model_source, kv, epoch, me, start_local, started)
         if not failed:
@@ -377,15 +383,17 @@ def prefetch(arrived: list[WorkerEntry], plan: dict[str, LayerRange], model_sour
             log.warning("prefetch on %s failed: %s", e.address, err)
 
 
-def _room(entry: WorkerEntry, per_layer: int) -> int:
+def _room(entry: WorkerEntry, per_layer: tuple[int, ...]) -> int:
     """Memory a worker could give: what is free plus what its current layers occupy (an
     unfixed worker drops them when it is assigned a new range)."""
     info = entry.info
-    held = info.layer_end - info.layer_start + 1 if info.has_layers and not info.fixed_range else 0
-    return int(info.memory_available) + held * per_layer
+    held = 0
+    if info.has_layers and not info.fixed_range:
+        held = sum(per_layer[info.layer_start : info.layer_end + 1])
+    return int(info.memory_available) + held
 
 
-def _group_room(entry: WorkerEntry, per_layer: int) -> int:
+def _group_room(entry: WorkerEntry, per_layer: tuple[int, ...]) -> int:
     """A stage's room: a group holds 1/N of each layer and of its KV on every member, so
     N members with the least room among them hold N times what that member would."""
     if entry.group is None:

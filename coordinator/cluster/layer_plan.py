@@ -20,18 +20,24 @@ limit, shares follow available memory, which is the same as following usable mem
 per-layer KV reserve: every worker is left the same room for KV per layer it holds. Fixed
 workers are not checked against memory: they loaded their layers already.
 
+Both sizes may also be given per layer (a heterogeneous model: dense and MoE layers, layers
+whose KV differs). Layers of unequal cost are split by bytes (layer_costs.py): each worker's
+run fits its memory and shares follow memory in bytes.
+
 Deterministic: the given order of the free workers is the pipeline order of their ranges, so the
 caller decides it (a static list first, then the discovered workers sorted by address, say).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
 
 from common.errors import WedlmError
 from common.layer_range import LayerRange
+from coordinator.cluster import layer_costs
 
 
 @dataclass(frozen=True)
@@ -53,12 +59,15 @@ class PlanError(WedlmError):
 def plan_layers(
     num_layers: int,
     workers: list[WorkerCapacity],
-    layer_bytes: int,
-    kv_bytes_per_layer: int,
+    layer_bytes: int | Sequence[int],
+    kv_bytes_per_layer: int | Sequence[int],
 ) -> dict[str, LayerRange]:
     """Map each worker's key to its range; the ranges tile 0..num_layers-1 exactly and the
-    dict is ordered by layer (pipeline order)."""
-    if num_layers < 1 or layer_bytes < 1 or kv_bytes_per_layer < 0:
+    dict is ordered by layer (pipeline order). Sizes are one for every layer, or one per
+    layer."""
+    weights = _per_layer(layer_bytes, num_layers)
+    kv = _per_layer(kv_bytes_per_layer, num_layers)
+    if num_layers < 1 or min(weights) < 1 or min(kv) < 0:
         raise ValueError(f"bad model sizes: {num_layers} layers of {layer_bytes} bytes")
     if not workers:
         raise PlanError(f"no worker to hold the model's {num_layers} layers")
@@ -79,8 +88,16 @@ def plan_layers(
 
     plan = {w.key: w.fixed for w in fixed if w.fixed is not None}
     if free:
-        plan.update(_fill(num_layers, gaps, free, layer_bytes, kv_bytes_per_layer, bool(fixed)))
+        plan.update(_fill(num_layers, gaps, free, weights, kv, bool(fixed)))
     return dict(sorted(plan.items(), key=lambda item: item[1].start))
+
+
+def _per_layer(size: int | Sequence[int], num_layers: int) -> tuple[int, ...]:
+    if isinstance(size, int):
+        return (size,) * max(num_layers, 1)
+    if len(size) != num_layers:
+        raise ValueError(f"{len(size)} layer sizes for a model of {num_layers} layers")
+    return tuple(int(s) for s in size)
 
 
 def _fixed_problems(num_layers: int, fixed: list[WorkerCapacity]) -> list[str]:
@@ -120,8 +137,8 @@ def _fill(
     num_layers: int,
     gaps: list[LayerRange],
     free: list[WorkerCapacity],
-    layer_bytes: int,
-    kv_bytes_per_layer: int,
+    weights: tuple[int, ...],
+    kv: tuple[int, ...],
     mixed: bool,
 ) -> dict[str, LayerRange]:
     names = ", ".join(w.key for w in free)
@@ -147,6 +164,10 @@ def _fill(
             f"{_span_list(gaps)} held by no worker, and {who} cannot cover {len(gaps)} separate "
             "gaps: each takes one contiguous range"
         )
+    memory = [w.available_bytes for w in free]
+    if len(set(zip(weights, kv, strict=True))) > 1:
+        return _fill_bytes(gaps, free, weights, kv, who, what, where)
+    layer_bytes, kv_bytes_per_layer = weights[0], kv[0]
     per_layer = layer_bytes + kv_bytes_per_layer
     room = [w.available_bytes // per_layer for w in free]
     for w, fits in zip(free, room, strict=True):
@@ -164,39 +185,114 @@ def _fill(
             f"each) but {who} can hold only {sum(room)}; about {_size(missing * per_layer)} "
             f"more memory ({missing} layers' worth) is missing"
         )
-    memory = [w.available_bytes for w in free]
-    sizes = _group(tuple(len(g) for g in gaps), tuple(memory), tuple(room))
+    lengths = tuple(len(g) for g in gaps)
+    sizes = _group(lengths, lengths, tuple(memory), lambda g, a, b: sum(room[a:b]) >= lengths[g])
     if sizes is None:
-        raise PlanError(
-            f"no way to split {who} into consecutive groups, one per gap ({where}), that fits "
-            "each gap in its group's memory; reorder the workers or change their --layers"
-        )
-    plan, first = {}, 0
+        raise PlanError(_no_grouping(who, where))
+    shares: list[int] = []
+    first = 0
     for gap, size in zip(gaps, sizes, strict=True):
         workers = range(first, first + size)
-        shares = _apportion(len(gap), [memory[i] for i in workers], [room[i] for i in workers])
-        start = gap.start
-        for i, share in zip(workers, shares, strict=True):
-            plan[free[i].key] = LayerRange(start, start + share - 1)
-            start += share
+        shares += _apportion(len(gap), [memory[i] for i in workers], [room[i] for i in workers])
         first += size
+    return _ranges(gaps, sizes, shares, free)
+
+
+def _fill_bytes(
+    gaps: list[LayerRange],
+    free: list[WorkerCapacity],
+    weights: tuple[int, ...],
+    kv: tuple[int, ...],
+    who: str,
+    what: str,
+    where: str,
+) -> dict[str, LayerRange]:
+    """`_fill` for layers of unequal cost: the same checks and grouping, in bytes."""
+    cost = [w + k for w, k in zip(weights, kv, strict=True)]
+    free_set = [i for g in gaps for i in g]
+    cheapest = min(free_set, key=lambda i: cost[i])
+    for w in free:
+        if w.available_bytes < cost[cheapest]:
+            raise PlanError(
+                f"worker {w.key} has room for no layer: {_size(w.available_bytes)} available, "
+                f"the smallest layer ({cheapest}) needs {_size(weights[cheapest])} plus "
+                f"{_size(kv[cheapest])} of KV reserve"
+            )
+    need = sum(cost[i] for i in free_set)
+    have = sum(w.available_bytes for w in free)
+    memory = [w.available_bytes for w in free]
+    if need > have:
+        raise PlanError(
+            f"{what} do not fit: they need {_size(need)} "
+            f"({_size(sum(weights[i] for i in free_set))} of weights and "
+            f"{_size(sum(kv[i] for i in free_set))} of KV reserve; the layers differ in size) "
+            f"but {who} have {_size(have)}; about {_size(need - have)} more memory is missing"
+        )
+    runs = [[cost[i] for i in g] for g in gaps]
+    sizes = _group(
+        tuple(len(g) for g in gaps),
+        tuple(sum(r) for r in runs),
+        tuple(memory),
+        lambda g, a, b: layer_costs.fits(runs[g], memory[a:b]),
+    )
+    if sizes is None and len(gaps) == 1:
+        raise PlanError(
+            f"{what} fit {who} in total but not in order: no contiguous split gives each "
+            "worker a range that fits its memory (the layers differ in size); more memory "
+            "or another order of the workers is needed"
+        )
+    if sizes is None:
+        raise PlanError(_no_grouping(who, where))
+    shares: list[int] = []
+    first = 0
+    for run, size in zip(runs, sizes, strict=True):
+        group = memory[first : first + size]
+        shares += layer_costs.split(run, group, group)
+        first += size
+    return _ranges(gaps, sizes, shares, free)
+
+
+def _no_grouping(who: str, where: str) -> str:
+    return (
+        f"no way to split {who} into consecutive groups, one per gap ({where}), that fits "
+        "each gap in its group's memory; reorder the workers or change their --layers"
+    )
+
+
+def _ranges(
+    gaps: list[LayerRange], sizes: list[int], shares: list[int], free: list[WorkerCapacity]
+) -> dict[str, LayerRange]:
+    """Each gap's consecutive workers' shares as ranges, in order."""
+    plan, worker = {}, 0
+    for gap, size in zip(gaps, sizes, strict=True):
+        start = gap.start
+        for _ in range(size):
+            plan[free[worker].key] = LayerRange(start, start + shares[worker] - 1)
+            start += shares[worker]
+            worker += 1
     return plan
 
 
-def _group(gaps: tuple[int, ...], memory: tuple[int, ...], room: tuple[int, ...]):
-    """Sizes of consecutive worker groups, one per gap, minimising the largest layers-per-byte
-    of any group; None when no grouping fits."""
+def _group(
+    lengths: tuple[int, ...],
+    loads: tuple[int, ...],
+    memory: tuple[int, ...],
+    fits: Callable[[int, int, int], bool],
+):
+    """Sizes of consecutive worker groups, one per gap (of `lengths` layers), minimising
+    the largest load (layers or bytes) per byte of any group's memory; None when no
+    grouping fits. fits(gap, first, end): workers first..end-1 can hold that gap."""
 
     @cache
     def best(gap: int, first: int) -> tuple[Fraction, tuple[int, ...]] | None:
-        if gap == len(gaps):
+        if gap == len(lengths):
             return (Fraction(0), ()) if first == len(memory) else None
         found = None
-        last = len(memory) - (len(gaps) - gap - 1)  # leave a worker for each later gap
-        for end in range(first + 1, min(last, first + gaps[gap]) + 1):
-            if sum(room[first:end]) < gaps[gap] or (rest := best(gap + 1, end)) is None:
+        last = len(memory) - (len(lengths) - gap - 1)  # leave a worker for each later gap
+        for end in range(first + 1, min(last, first + lengths[gap]) + 1):
+            if not fits(gap, first, end) or (rest := best(gap + 1, end)) is None:
                 continue
-            load = max(Fraction(gaps[gap], sum(memory[first:end])), rest[0])
+            load = max(Fraction(loads[gap], sum(memory[first:end])), rest[0])
             if found is None or load < found[0]:
                 found = (load, (end - first, *rest[1]))
         return found
