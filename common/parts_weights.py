@@ -5,6 +5,7 @@ neither."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,21 @@ def checkpoint_quantization(raw: dict[str, Any], where: Path) -> dict[str, Any] 
     """The `quantization` mlx-lm's load_model applies to this config.json (`raw`): its own
     (defaults plus per-module entries), or the one mlx-lm derives from a Hugging Face
     `quantization_config` (openai/gpt-oss's mxfp4 experts, mxfp8, fp8 in 32x32 blocks of
-    power-of-two scales, compressed-tensors, NVIDIA ModelOpt's NVFP4). None: not quantized."""
+    power-of-two scales, compressed-tensors, NVIDIA ModelOpt's NVFP4, in config.json or
+    in hf_quant_config.json beside it). `where`: the config.json. None: not quantized."""
     if raw.get("quantization") is not None:
         return raw["quantization"]
     legacy = raw.get("quantization_config") or (raw.get("text_config") or {}).get(
         "quantization_config"
     )
+    modelopt = where.parent / "hf_quant_config.json"  # NVIDIA ModelOpt keeps it beside
+    if not legacy and modelopt.exists():
+        try:
+            legacy = json.loads(modelopt.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{modelopt} is not valid JSON: {e}") from None
+        if isinstance(legacy, dict):
+            legacy.setdefault("quant_method", "modelopt")  # ModelOpt's own file may not say
     if not isinstance(legacy, dict) or "quant_method" not in legacy:
         return None
     method = legacy["quant_method"]

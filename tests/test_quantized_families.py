@@ -28,6 +28,7 @@ from common.layer_runner import LayerRunner
 from common.layer_sizes import compute_dtype, estimated_layer_bytes, loaded_layer_bytes
 from common.model_config import load_model_config
 from common.model_parts import load_model_parts, run_layers
+from common.parts_weights import checkpoint_quantization
 from coordinator.engine.local_engine import open_local_engine
 from tests.checkpoints import make_checkpoint, make_mlx_checkpoint, mlx_lm_greedy
 from tests.hub_cache import add_to_hub_cache
@@ -259,3 +260,44 @@ def test_a_hub_id_resolves_from_the_local_cache_offline(checkpoints, tmp_path):
     assert out.returncode != 0 and "Traceback" not in out.stderr
     (line,) = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert "wedlm-tests/not-cached is not a folder here and not in the Hugging Face cache" in line
+
+
+# a conversion's config.json rewritten in a Hugging Face form: (recipe, the form, the
+# file it goes in); mlx-lm's load_model derives the quantization from each
+HF_FORMS = {
+    "mxfp8": ("mxfp8", {"quant_method": "mxfp8"}, "config.json"),
+    "fp8-ue8m0": (
+        "mxfp8",
+        {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]},
+        "config.json",
+    ),
+    "modelopt": (
+        "nvfp4",
+        {"quant_method": "modelopt", "quantization": {"quant_algo": "NVFP4"}},
+        "hf_quant_config.json",
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(HF_FORMS))
+def test_hugging_face_quantization_configs_load_as_mlx_lm_derives_them(checkpoints, tmp_path, form):
+    from mlx_lm.utils import load_model
+
+    recipe, settings, where = HF_FORMS[form]
+
+    def rewrite(config):
+        del config["quantization"], config["quantization_config"]
+        if where == "config.json":
+            config["quantization_config"] = settings
+
+    path = _edited(checkpoints("qwen3", recipe), tmp_path / form, rewrite)
+    if where != "config.json":
+        (path / where).write_text(json.dumps(settings))
+    ref, ref_config = load_model(path)
+    ref.set_dtype(mx.float32)
+    config = load_model_config(path)
+    assert checkpoint_quantization(config.raw, path / "config.json") == ref_config["quantization"]
+    own = load_model_parts(path)
+    unfused = load_model_parts(path, fuse=False)
+    assert quantization_of(unfused, unfused.checkpoint_name) == quantization_of(ref)
+    np.testing.assert_allclose(logits(own, TOKENS), np.array(ref(TOKENS)), rtol=1e-5, atol=1e-5)
