@@ -10,13 +10,19 @@ from __future__ import annotations
 import pytest
 
 from tests.checkpoints import make_mlx_checkpoint
-from tests.cluster_harness import cluster_name, spawn, start_coordinator, start_worker
-from tests.test_mlx_families_e2e import concurrent, expected
+from tests.cluster_harness import cluster_name, spawn, start_worker
+from tests.family_cluster import at_once, coordinator_before, encode_all, mlx_lm_tokens
 from wedlm_client.client import WedlmClient
 
 pytestmark = pytest.mark.e2e
 # a lost member is found when a forward's collectives do not finish within this bound
 GROUP_ENV = {"WEDLM_GROUP_BOUND_S": "30"}
+PROMPTS = [
+    "once upon a time there was a little robot who liked to count",
+    "the quick brown fox",
+    "she sells sea shells by the sea shore",
+]
+MAX_TOKENS = 16
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
@@ -26,19 +32,17 @@ def test_tp2_group_matches_mlx_lm(family, tmp_path):
     worker, address = start_worker(path, name, "--no-bonjour", env=GROUP_ENV)
     procs = [worker]
     try:
-        coord, grpc = start_coordinator(
-            path, name, "--no-bonjour", "--worker", address, "--expect", "1", "--tp", "2",
-            env=GROUP_ENV,
-        )  # fmt: skip
+        coord, grpc = coordinator_before(path, name, address, "--tp", "2", env=GROUP_ENV)
         procs.append(coord)
-        coord.expect("serving", timeout=240)
         with WedlmClient(grpc) as client:
             status = client.cluster_status()
         (member,) = [w for w in status.workers if w.health == "serving"]
         assert member.group_leader == "coordinator" and member.info.group_rank == 1
         assert member.info.group_size == 2 and member.info.group_backend == "ring"
         assert "tensor group" in status.plan_note, status.plan_note
-        assert concurrent(grpc) == expected(path)
+        prompts = encode_all(path, PROMPTS)
+        got = [r["tokens"] for r in at_once(grpc, prompts, MAX_TOKENS)]
+        assert got == mlx_lm_tokens(path, prompts, MAX_TOKENS)
     finally:
         for p in procs:
             p.stop()
@@ -52,9 +56,12 @@ def test_a_family_without_shard_is_refused_at_start(tmp_path):
         "coordinator.service.server_cli", "serve", "--model", str(path), "--port", "0",
         "--cluster", cluster_name(), "--no-bonjour", "--state-dir", "none", "--tp", "2",
     )  # fmt: skip
-    code, output = proc.wait_exit()
+    try:
+        code, output = proc.wait_exit()
+    finally:
+        proc.stop()
     line = (
         "gemma3_text cannot be split across a tensor group: mlx-lm has no shard for it; use stages"
     )
-    assert code != 0 and line in output, output
+    assert code == 1 and f"wedlm-coordinator: error: --tp 2: {line}\n" in output, output
     assert "Traceback" not in output, output

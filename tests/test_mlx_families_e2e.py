@@ -5,21 +5,13 @@ layers, embedding and head) and a real worker (the rest) on 127.0.0.1, requests 
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
 
-from common.generation_params import GenerationParams
-from common.tokenizer import Tokenizer
-from tests.checkpoints import make_mlx_checkpoint, mlx_lm_greedy
-from tests.cluster_harness import (
-    cluster_name,
-    start_coordinator,
-    start_fetching_worker,
-    start_worker,
-)
-from wedlm_client.client import WedlmClient
+from tests.checkpoints import make_mlx_checkpoint
+from tests.cluster_harness import cluster_name, start_fetching_worker, start_worker
+from tests.family_cluster import at_once, coordinator_before, encode_all, mlx_lm_tokens
 
 # gemma3: the multimodal layout (layers at language_model.model.layers); deepseek_v3: MLA
 FAMILIES = ["gpt_oss", "gemma3_text", "gemma3", "glm4", "deepseek_v3"]
@@ -37,38 +29,19 @@ def models(tmp_path_factory):
     return {f: make_mlx_checkpoint(root / f, f, seed=5) for f in FAMILIES}
 
 
-def expected(path) -> list[list[int]]:
-    tok = Tokenizer(path)
-    return [mlx_lm_greedy(path, tok.encode(t), MAX_TOKENS, tok.stop_ids) for t in PROMPTS]
-
-
-def concurrent(address: str) -> list[list[int]]:
-    results: dict[int, list[int]] = {}
-    params = GenerationParams(mode="ar", max_tokens=MAX_TOKENS)
-
-    def one(i: int) -> None:
-        with WedlmClient(address, timeout=180) as client:
-            results[i] = client.generate(text=PROMPTS[i], params=params)["tokens"]
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
-    return [results[i] for i in range(len(PROMPTS))]
+def expected(path: Path) -> list[list[int]]:
+    return mlx_lm_tokens(path, encode_all(path, PROMPTS), MAX_TOKENS)
 
 
 def served_through(path: Path, name: str, worker, address: str, layers: str) -> list[list[int]]:
-    """A coordinator holding `layers` in front of `worker`: the prompts' tokens through it."""
+    """A coordinator holding `layers` in front of `worker`: the prompts' tokens through it,
+    sent at once."""
     procs = [worker]
     try:
-        coord, grpc = start_coordinator(
-            path, name, "--no-bonjour", "--expect", "1", "--worker", address,
-            "--layers", layers, "--micro-batches", "2",
-        )  # fmt: skip
+        coord, grpc = coordinator_before(path, name, address, "--layers", layers,
+                                         "--micro-batches", "2")  # fmt: skip
         procs.append(coord)
-        coord.expect("serving")
-        return concurrent(grpc)
+        return [r["tokens"] for r in at_once(grpc, encode_all(path, PROMPTS), MAX_TOKENS)]
     finally:
         for p in procs:
             p.stop()

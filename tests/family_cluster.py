@@ -1,0 +1,93 @@
+"""Running mlx-lm families on real clusters for tests: mlx-lm's own greedy tokens for a
+list of prompts, requests sent at once (batched into micro-batches in flight), streams
+with a fault applied mid-generation, and a coordinator in front of a started worker."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from common.generation_params import GenerationParams
+from common.tokenizer import Tokenizer
+from tests.checkpoints import mlx_lm_greedy
+from tests.cluster_harness import Proc, start_coordinator
+from wedlm_client.client import WedlmClient
+
+
+def encode_all(path: Path, texts: list[str]) -> list[list[int]]:
+    tok = Tokenizer(path)
+    return [tok.encode(t) for t in texts]
+
+
+def mlx_lm_tokens(path: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """mlx-lm's generate_step for each prompt alone (greedy, float32)."""
+    stop_ids = Tokenizer(path).stop_ids
+    return [mlx_lm_greedy(path, ids, max_tokens, stop_ids) for ids in prompts]
+
+
+def at_once(address: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """The prompts sent together in AR mode, one client each: their results in order
+    (tokens, cached_tokens...)."""
+    results: dict[int, dict] = {}
+    params = GenerationParams(mode="ar", max_tokens=max_tokens)
+
+    def one(i: int) -> None:
+        with WedlmClient(address, timeout=180) as client:
+            results[i] = client.generate(ids=prompts[i], params=params)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert len(results) == len(prompts), f"{len(prompts) - len(results)} requests did not end"
+    return [results[i] for i in range(len(prompts))]
+
+
+def streams_with_fault(
+    address: str, prompts: list[list[int]], max_tokens: int, fault: Callable[[], None]
+) -> list[list[int]]:
+    """AR streams of the prompts at once; `fault` runs once every stream has a few tokens
+    and none is near its end; each stream's finished tokens."""
+    results: dict[int, dict] = {}
+    progress = [0] * len(prompts)
+    params = GenerationParams(mode="ar", max_tokens=max_tokens)
+
+    def run(i: int) -> None:
+        with WedlmClient(address, timeout=300) as client:
+            for event in client.generate_stream(ids=prompts[i], params=params):
+                if event[0] == "tokens":
+                    progress[i] += len(event[1])
+                else:
+                    results[i] = event[1]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while min(progress) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert min(progress) >= 4 and max(progress) < max_tokens * 3 // 4, progress  # mid-stream
+    fault()
+    for t in threads:
+        t.join(300)
+    assert len(results) == len(prompts), f"{len(prompts) - len(results)} streams did not end"
+    assert all(r["finish_reason"] in ("length", "stop") for r in results.values()), results
+    return [results[i]["tokens"] for i in range(len(prompts))]
+
+
+def coordinator_before(
+    path: Path, name: str, address: str, *extra: str, env: dict[str, str] | None = None
+) -> tuple[Proc, str]:
+    """A serving coordinator (no Bonjour) in front of the worker at `address`."""
+    coord, grpc = start_coordinator(
+        path, name, "--no-bonjour", "--expect", "1", "--worker", address, *extra, env=env
+    )
+    try:
+        coord.expect("serving", timeout=240)
+    except BaseException:
+        coord.stop()
+        raise
+    return coord, grpc

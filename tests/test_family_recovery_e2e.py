@@ -1,0 +1,116 @@
+"""New families on real clusters (coordinator and workers on 127.0.0.1), greedy float32
+tokens equal to mlx-lm's own `generate_step` for gpt-oss (sliding windows of 8, sinks,
+MoE) and DeepSeek V3 (MLA's latent KV, a dense first layer, then experts):
+
+- through 2 stages, the prefix cache on and off: a repeated prompt and prompts that share
+  a prefix longer than the window (the on cluster serves most of it from cached rows);
+  requests batched with others at once (2 micro-batches in flight) give their solo tokens;
+- after a worker is killed (SIGKILL) mid-generation: the coordinator plans again without
+  it, re-prefills every stream's tokens and finishes them exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.checkpoints import SLIDING_WINDOW, make_mlx_checkpoint
+from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from tests.family_cluster import (
+    at_once,
+    coordinator_before,
+    encode_all,
+    mlx_lm_tokens,
+    streams_with_fault,
+)
+from wedlm_client.client import WedlmClient
+
+pytestmark = pytest.mark.e2e
+FAMILIES = ["gpt_oss", "deepseek_v3"]
+# 46 tokens: longer than the window and than the cache's blocks of 16
+SYSTEM = "You are a careful robot that counts: one two three four five six seven eight nine ten. "
+QUESTIONS = ["what comes after five", "the quick brown fox", "she sells"]
+OTHERS = ["once upon a time there was a little robot", "def main(): return 1", "sea shore"]
+MAX_TOKENS = 16
+STREAMS = [f"stream {i} says {w}" for i, w in enumerate("abcd")]
+STREAM_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("family-recovery-e2e")
+    return {f: make_mlx_checkpoint(root / f, f, seed=5) for f in FAMILIES}
+
+
+def check_prefixes(grpc: str, path, cached: bool) -> None:
+    """The shared-prefix prompts (one twice, then the rest at once with other prompts):
+    each request's tokens are mlx-lm's for it alone; `cached`: the cluster's prefix cache
+    served the repeated and shared prefix, else none of it."""
+    shared = encode_all(path, [SYSTEM + q for q in QUESTIONS])
+    others = encode_all(path, OTHERS)
+    want = mlx_lm_tokens(path, shared + others, MAX_TOKENS)
+    prefix = len(encode_all(path, [SYSTEM])[0])
+    assert prefix > SLIDING_WINDOW
+    first, again = (at_once(grpc, shared[:1], MAX_TOKENS)[0] for _ in range(2))
+    assert first["tokens"] == again["tokens"] == want[0]
+    batched = at_once(grpc, shared[1:] + others, MAX_TOKENS)  # a batch of 5 requests
+    assert [r["tokens"] for r in batched] == want[1:]
+    hits = [again["cached_tokens"]] + [r["cached_tokens"] for r in batched[: len(shared) - 1]]
+    if cached:  # the blocks of 16 that the prefix fills, at least
+        assert all(h >= prefix // 16 * 16 for h in hits), hits
+    else:
+        assert all(r["cached_tokens"] == 0 for r in [first, again, *batched])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_cache_on_and_off_and_batching_through_two_stages(models, family):
+    path = models[family]
+    for cache in (True, False):
+        name = cluster_name()
+        worker, address = start_worker(path, name, "--no-bonjour", "--layers", "2-3")
+        procs = [worker]
+        try:
+            flags = [] if cache else ["--no-prefix-cache"]
+            coord, grpc = coordinator_before(
+                path, name, address, "--layers", "0-1", "--micro-batches", "2", *flags
+            )
+            procs.append(coord)
+            check_prefixes(grpc, path, cached=cache)
+        finally:
+            for p in procs:
+                p.stop()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_killed_worker_is_replayed(models, family):
+    """Three stages (the coordinator and two workers that take the layers they are
+    given); 4 AR streams at once; one worker killed mid-generation."""
+    path = models[family]
+    name = cluster_name()
+    workers = [start_worker(path, name, "--no-bonjour") for _ in range(2)]
+    procs = [w for w, _ in workers]
+    try:
+        listed = [a for _, addr in workers for a in ("--worker", addr)]
+        coord, grpc = start_coordinator(
+            path, name, "--no-bonjour", *listed, "--expect", "2", "--micro-batches", "2"
+        )
+        procs.append(coord)
+        coord.expect("serving", timeout=240)
+        with WedlmClient(grpc) as client:
+            before = client.cluster_status()
+        held = {w.address: w.info.has_layers for w in before.workers if w.health == "serving"}
+        assert held == {workers[0][1]: True, workers[1][1]: True}, held  # 3 stages
+        prompts = encode_all(path, STREAMS)
+        victim = workers[1][0].popen.pid
+        got = streams_with_fault(
+            grpc, prompts, STREAM_TOKENS, lambda: os.kill(victim, signal.SIGKILL)
+        )
+        assert got == mlx_lm_tokens(path, prompts, STREAM_TOKENS)
+        with WedlmClient(grpc) as client:
+            after = client.cluster_status()
+        serving = [w.address for w in after.workers if w.health == "serving"]
+        assert serving == [workers[0][1]], serving
+    finally:
+        for p in procs:
+            p.stop()
