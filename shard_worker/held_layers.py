@@ -234,6 +234,6 @@ class HeldLayers:
             layer_range=parts.layer_range,
             dtype=DTYPE_NAMES.get(dtype, str(dtype)),
             layer_bytes=loaded_layer_bytes(parts),
-            kv_bytes_per_token=kv_bytes_per_token(self.config, dtype, len(parts.layers), self.kv),
+            kv_bytes_per_token=kv_bytes_per_token(self.config, dtype, parts.layer_range, self.kv),
             kv=self.kv,
         )

@@ -119,7 +119,7 @@ class Member:
             "ready": True,
             "dtype": DTYPE_NAMES.get(self.dtype, str(self.dtype)),
             "layer_bytes": loaded_layer_bytes(parts),
-            "kv_bytes_per_token": kv_bytes_per_token(config, self.dtype, len(parts.layers), kv),
+            "kv_bytes_per_token": kv_bytes_per_token(config, self.dtype, parts.layer_range, kv),
         }
 
     @property

@@ -501,7 +501,7 @@ class CoordinatorServer:
         held = self.local.layer_range if self.local is not None else None
         if held is not None:
             dtype = compute_dtype(self.config)
-            per_token = kv_bytes_per_token(self.config, dtype, len(held), self.opts.kv)
+            per_token = kv_bytes_per_token(self.config, dtype, held, self.opts.kv)
             if self.local.group is not None:  # rank 0 of a group keeps its heads' share
                 per_token = self.local.group.member.ready["kv_bytes_per_token"]
             budgets.append(int(host_info.memory()[1] * headroom) // per_token)
