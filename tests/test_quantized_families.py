@@ -234,17 +234,19 @@ def test_quantization_that_disagrees_with_the_weights_is_refused_in_one_line(che
         load_model_parts(bad)
 
 
-def wedlm_generate(model: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+def wedlm_generate(model: str, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "wedlm_client.cli", "generate", "--model", model,
-         "--prompt", PROMPT, "--mode", "ar", "--max-tokens", str(MAX_TOKENS), "--json"],
+         "--prompt", PROMPT, "--mode", "ar", "--max-tokens", str(MAX_TOKENS), "--json",
+         *extra],
         capture_output=True, text=True, timeout=180, env={**os.environ, **env},
     )  # fmt: skip
 
 
 def test_a_hub_id_resolves_from_the_local_cache_offline(checkpoints, tmp_path):
-    """`wedlm generate --model org/name` with no network: the cached snapshot, mlx-lm's
-    tokens; an id that is not cached is one line, no traceback."""
+    """`wedlm generate --model org/name` (and `--draft-model org/name`) with no network:
+    the cached snapshot, mlx-lm's tokens; an id that is not cached is one line, no
+    traceback."""
     path = checkpoints("gpt_oss", "mxfp4")
     env = {
         "HF_HUB_OFFLINE": "1",
@@ -256,6 +258,14 @@ def test_a_hub_id_resolves_from_the_local_cache_offline(checkpoints, tmp_path):
     prompt = local.tokenizer.encode(PROMPT)
     want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
     assert json.loads(out.stdout)["tokens"] == want
+    # a draft model named by its hub id too (verified drafts: still mlx-lm's tokens)
+    out = wedlm_generate(
+        "wedlm-tests/gpt-oss-mxfp4", env, "--mode", "speculative", "--draft", "model",
+        "--draft-model", "wedlm-tests/gpt-oss-mxfp4",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["tokens"] == want and result["drafted_tokens"] > 0
     out = wedlm_generate("wedlm-tests/not-cached", env)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     (line,) = [ln for ln in out.stderr.splitlines() if ln.strip()]

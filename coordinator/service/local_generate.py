@@ -6,7 +6,7 @@ import argparse
 from typing import TextIO
 
 from common.generation_params import GenerationParams
-from coordinator.engine.local_engine import open_local_engine
+from coordinator.engine.local_engine import open_local_engine, resolve_model
 from coordinator.service.messages import RequestResult
 from coordinator.service.results import result_record
 from wedlm_client.cli import params_from_args, print_result, stream_of
@@ -29,7 +29,9 @@ def generate_locally(
         from coordinator.engine.engine_for import check_draft_model
 
         check_draft_model(local.engine.parts)
-        local.engine.use_drafter(DraftModel.load(args.draft_model, local.engine.config, tok))
+        local.engine.use_drafter(
+            DraftModel.load(resolve_model(args.draft_model), local.engine.config, tok)
+        )
     prompt = list(args.prompt_ids) if args.prompt_ids else tok.encode(args.prompt, args.chat)
     seq = local.engine.submit(prompt, params)
     detok = tok.detokenizer()
