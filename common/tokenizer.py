@@ -19,6 +19,26 @@ class ToolSyntax:
     start: str  # e.g. "<tool_call>"
     end: str  # e.g. "</tool_call>"
     parse: Callable[[str, Any], Any]  # mlx-lm's parse_tool_call(text, tools)
+    format: str = ""  # mlx-lm's tool_parser_type (json_tools, qwen3_coder, ...) or "harmony"
+    # the added tokens (text, id), special or not: a grammar names a marker that is one
+    # by its id, since llguidance does not match an added token's text
+    added_tokens: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class ReplySyntax:
+    """How a model's chat answer is laid out, read from its checkpoint: its tool calls
+    (None: it makes none), its reasoning markers (mlx-lm's think_start/think_end), and
+    whether it speaks OpenAI's harmony (gpt-oss: channels instead of markers)."""
+
+    tools: ToolSyntax | None
+    think: tuple[str, str] | None
+    harmony: bool
+
+
+# gpt-oss's harmony control tokens; a template that writes these is harmony.
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>",
+                   "<|end|>", "<|call|>", "<|return|>")  # fmt: skip
 
 
 # Instruct models end turns with these even when config.json names another EOS.
@@ -28,6 +48,7 @@ _CHAT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
         from mlx_lm.tokenizer_utils import load as load_tokenizer
+        from mlx_lm.utils import _tokenizer_defaults
         from transformers.utils import logging as hf_logging
 
         # transformers warns that it does not know model_type "wedlm"; the tokenizer is fine.
@@ -37,15 +58,25 @@ class Tokenizer:
         if not (path / "tokenizer.json").exists() and not (path / "tokenizer.model").exists():
             raise CheckpointError(f"no tokenizer (tokenizer.json or tokenizer.model) in {path}")
         try:
-            self._wrapper = load_tokenizer(path)
+            # defaults: a model module's TOKENIZER_DEFAULTS (its parser, template), as
+            # mlx_lm.load passes them
+            self._wrapper = load_tokenizer(path, defaults=_tokenizer_defaults(path))
         except Exception as e:  # transformers raises many types for broken files
             raise CheckpointError(f"cannot load the tokenizer in {path}: {e}") from None
         self._hf = self._wrapper._tokenizer
         _keep_leading_space(self._wrapper)
         vocab = self._hf.get_vocab()
         self.stop_ids = tuple(sorted({vocab[t] for t in _CHAT_STOP_TOKENS if t in vocab}))
-        # Special tokens (EOS, chat markers) stay in token lists but not in displayed text.
-        self.special_ids = frozenset(self._hf.all_special_ids)
+        self.reply = self._reply_syntax()
+        # Special tokens (EOS, chat markers) stay in token lists but not in displayed text,
+        # except the reply's own markers (harmony's channels, a special <think>): the
+        # answer's parser reads them; a stop token is still left out.
+        markers = {*HARMONY_MARKERS} if self.reply.harmony else set()
+        markers |= {*(self.reply.think or ())}
+        if self.reply.tools is not None:
+            markers |= {self.reply.tools.start, self.reply.tools.end}
+        kept = {vocab[m] for m in markers if m in vocab} - set(self.stop_ids)
+        self.special_ids = frozenset(self._hf.all_special_ids) - kept
         # The most characters one token stands for (a byte-level vocabulary spells a token
         # with one character per byte: still a bound), so that a text that cannot fit a
         # context is known from its length alone.
@@ -91,11 +122,35 @@ class Tokenizer:
     @property
     def tool_calling(self) -> ToolSyntax | None:
         """How this model writes a tool call (mlx-lm's markers and parser, chosen from the
-        chat template), or None when its template has no tool calling."""
+        chat template, or harmony's), or None when its template has no tool calling."""
+        return self.reply.tools
+
+    def _reply_syntax(self) -> ReplySyntax:
         w = self._wrapper
-        if not w.has_tool_calling or w.tool_parser is None:
-            return None
-        return ToolSyntax(w.tool_call_start, w.tool_call_end, w.tool_parser)
+        template = getattr(self._hf, "chat_template", None)
+        harmony = isinstance(template, str) and all(
+            m in template for m in ("<|channel|>", "<|message|>")
+        )
+        tools = None
+        added = tuple((t.content, i) for i, t in sorted(self._hf.added_tokens_decoder.items()))
+        if harmony:  # mlx-lm has no harmony parser: ours
+            from common.harmony import TOOL_START, parse_tool_call
+
+            tools = ToolSyntax(TOOL_START, "<|call|>", parse_tool_call, "harmony", added)
+        elif w.has_tool_calling and w.tool_parser is not None:
+            kind = self._hf.init_kwargs.get("tool_parser_type", "")
+            tools = ToolSyntax(w.tool_call_start, w.tool_call_end, w.tool_parser, kind, added)
+        think = (w.think_start, w.think_end) if w.has_thinking and not harmony else None
+        return ReplySyntax(tools, think, harmony)
+
+    def starts_in_reasoning(self, prompt: list[int]) -> bool:
+        """The prompt opens a reasoning block it does not close (GLM-4.7's and Qwen3's
+        templates end with `<think>`): the answer begins as reasoning (mlx-lm's server's
+        rule)."""
+        if self.reply.think is None:
+            return False
+        w = self._wrapper
+        return w.rfind_think_start(prompt) > w.rfind_think_end(prompt)
 
     def _encode(self, text: str, special: bool, limit: int | None) -> list[int]:
         if limit is not None:
@@ -114,8 +169,9 @@ class Tokenizer:
         return self._hf.decode(ids, skip_special_tokens=False)
 
     def text(self, ids: list[int]) -> str:
-        """What a user reads: the completion without special tokens."""
-        return self._hf.decode(ids, skip_special_tokens=True)
+        """What a user reads: the completion without special tokens (the reply's markers
+        kept, as the stream keeps them)."""
+        return self._hf.decode([i for i in ids if i not in self.special_ids])
 
     @property
     def hf_tokenizer(self):

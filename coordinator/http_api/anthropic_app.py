@@ -26,13 +26,18 @@ from coordinator.http_api.generation import (
     finish_reason,
     openai_encoder,
 )
+from coordinator.http_api.reply_parsing import (
+    Reasoning,
+    has_reasoning,
+    reply_stream,
+    split_answer,
+)
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
     chat_prompt,
     chat_tools,
 )
 from coordinator.http_api.schemas import ChatCompletionRequest
-from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from coordinator.service.admission import Refused
 from coordinator.service.messages import RequestResult
 
@@ -217,11 +222,6 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
         check(request, body.model)
         return body
 
-    def tools_of(chat: ChatCompletionRequest):
-        if not chat.tools_in_use():
-            return None
-        return (backend.tokenizer.tool_calling, chat_tools(chat))
-
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         try:
@@ -240,8 +240,11 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
     async def messages(request: Request):
         try:
             body = await read(request, MessagesRequest)
-            if body.thinking and body.thinking.get("type") == "enabled":
-                raise ApiError(400, "thinking: extended thinking is not supported", "thinking")
+            thinks = has_reasoning(backend.tokenizer)  # its reasoning comes as thinking blocks
+            if body.thinking and body.thinking.get("type") == "enabled" and not thinks:
+                raise ApiError(400, "thinking: this model does not write its reasoning apart "
+                               "(no think markers or harmony channels in its chat template)",
+                               "thinking")  # fmt: skip
             chat = to_openai(body, body.max_tokens)
             try:
                 gen = await Generation.start(backend, request, openai_encoder(backend, chat))
@@ -253,7 +256,7 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
             message, _ = validation_problem(e)
             return JSONResponse(error_body(400, message), 400)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
-        tools = tools_of(chat)
+        tools = chat_tools(chat)
         if body.stream:
             return event_stream(_stream(gen, message_id, tools))
         result = await gen.result()
@@ -261,10 +264,10 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
             return JSONResponse(error_body(499, "the client disconnected"), 499)
         if result.error:
             return _error(failure(result))
-        text, calls = result.text, []
-        if tools is not None:
-            text, calls = split_tool_calls(tools[0], text, tools[1])
-        content = ([{"type": "text", "text": text}] if text or not calls else [])
+        text, thinking, calls = split_answer(backend.tokenizer, result.text, tools,
+                                             gen.job.prompt)  # fmt: skip
+        content = [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
+        content += [{"type": "text", "text": text}] if text or not (calls or thinking) else []
         content += [_tool_use(c) for c in calls]
         return {"id": message_id, "type": "message", "role": "assistant",
                 "model": backend.model_name, "content": content,
@@ -274,8 +277,8 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
                           "output_tokens": len(result.tokens)}}  # fmt: skip
 
     async def _stream(gen: Generation, message_id: str, tools):
-        splitter = ToolCallStream(*tools) if tools is not None else None
-        index, text_open = 0, False
+        splitter = reply_stream(backend.tokenizer, tools, gen.job.prompt)
+        index, open_kind = 0, ""  # the open block's type: "text", "thinking" or none
         start = {"id": message_id, "type": "message", "role": "assistant",
                  "model": backend.model_name, "content": [], "stop_reason": None,
                  "stop_sequence": None,
@@ -283,18 +286,24 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
         yield _sse("message_start", {"type": "message_start", "message": start})
 
         def blocks(pieces):
-            nonlocal index, text_open
+            nonlocal index, open_kind
             for piece in pieces:
                 if isinstance(piece, str):
-                    if not text_open:
-                        text_open = True
-                        yield _block_start(index, {"type": "text", "text": ""})
-                    yield _delta(index, {"type": "text_delta", "text": piece})
+                    kind = "thinking" if isinstance(piece, Reasoning) else "text"
+                    if open_kind != kind:
+                        if open_kind:
+                            yield _block_stop(index)
+                            index += 1
+                        open_kind = kind
+                        empty = {"thinking": "", "signature": ""} if kind == "thinking" else {
+                            "text": ""}  # fmt: skip
+                        yield _block_start(index, {"type": kind, **empty})
+                    yield _delta(index, {"type": f"{kind}_delta", kind: piece})
                     continue
                 for call in piece:
-                    if text_open:
+                    if open_kind:
                         yield _block_stop(index)
-                        index, text_open = index + 1, False
+                        index, open_kind = index + 1, ""
                     use = _tool_use(call)
                     yield _block_start(index, {**use, "input": {}})
                     partial = json.dumps(use["input"])
@@ -314,10 +323,10 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
                 return
             for event in blocks(splitter.finish() if splitter else []):
                 yield event
-            if not text_open and index == 0:  # an empty answer is one empty text block
+            if not open_kind and index == 0:  # an empty answer is one empty text block
                 for event in blocks([""]):
                     yield event
-            if text_open:
+            if open_kind:
                 yield _block_stop(index)
             calls = bool(splitter and splitter.calls)
             delta = {"stop_reason": _stop_reason(result, calls),

@@ -6,7 +6,8 @@ same mapping, admission, events, stop trimming and cancellation serve it
 
 Ollama's runtime options (num_ctx, num_gpu, keep_alive, ...) are ignored, as Ollama itself
 ignores options a model does not use; what would change the answer in a way this server
-cannot do (images, think, a custom template, context) is refused with a 400; `format`
+cannot do (images, a custom template, context; think for a model that does not reason
+apart) is refused with a 400; `format`
 (json or a schema) becomes response_format."""
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ from coordinator.http_api.generation import (
     openai_encoder,
 )
 from coordinator.http_api.logprobs_format import LogprobText
+from coordinator.http_api.reply_parsing import (
+    Reasoning,
+    has_reasoning,
+    reply_stream,
+    split_answer,
+)
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
     chat_tools,
 )
 from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest
-from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from coordinator.service.admission import Refused
 from coordinator.service.messages import RequestResult
 
@@ -139,8 +145,7 @@ def _response_format(body: _Generating) -> dict[str, Any]:
 
 
 def _refuse_extras(body: _Generating, images: bool) -> None:
-    if body.think not in (None, False):
-        raise ApiError(400, "think: this server's models do not support thinking")
+    # `think` is checked against the model where it is known (generate_answer)
     if images:
         raise ApiError(400, "images: this model reads text only")
 
@@ -289,45 +294,56 @@ def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaph
 
     async def generate_answer(request: Request, body, chat: ChatCompletionRequest
                               | CompletionRequest, kind: str):  # fmt: skip
+        if body.think not in (None, False) and not has_reasoning(backend.tokenizer):
+            raise ApiError(400, "think: this model does not write its reasoning apart (no "
+                           "think markers or harmony channels in its chat template)")  # fmt: skip
         started = time.monotonic_ns()
         try:
             gen = await Generation.start(backend, request, openai_encoder(backend, chat))
         except Refused as e:
             raise from_refusal(e, "max_tokens", PARAM_FIELDS, kind) from None
-        tools = None
-        if isinstance(chat, ChatCompletionRequest) and chat.tools_in_use():
-            tools = (backend.tokenizer.tool_calling, chat_tools(chat))
+        # a chat answer is parsed in the model's format: content, thinking, tool calls
+        parsed = isinstance(chat, ChatCompletionRequest)
+        tools = chat_tools(chat) if parsed else None  # type: ignore[arg-type]
         head = {"model": body.model, "created_at": ""}
         logprobs = gen.job.params.logprobs is not None
 
-        def piece(text: str, calls: list | None = None, entries: list = ()) -> dict[str, Any]:
+        def piece(text: str, calls: list | None = None, entries: list = (),
+                  thinking: str = "") -> dict[str, Any]:  # fmt: skip
             extra = {"logprobs": token_text.chat(entries)["content"]} if logprobs else {}
             if kind == "prompt":
+                extra |= {"thinking": thinking} if thinking else {}
                 return {**head, "created_at": _now(), "response": text, "done": False, **extra}
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if thinking:
+                message["thinking"] = thinking
             if calls:
                 message["tool_calls"] = [_ollama_call(c) for c in calls]
             return {**head, "created_at": _now(), "message": message, "done": False, **extra}
 
         if body.stream:
-            return StreamingResponse(_stream(gen, piece, tools, started), media_type=NDJSON)
+            splitter = reply_stream(backend.tokenizer, tools, gen.job.prompt) if parsed else None
+            return StreamingResponse(_stream(gen, piece, splitter, started), media_type=NDJSON)
         result = await gen.result()
         if result is None:
             return _error(499, "the client disconnected")
         if result.error:
             raise failure(result)
-        text, calls = result.text, []
-        if tools is not None:
-            text, calls = split_tool_calls(tools[0], text, tools[1])
-        whole = piece(text, calls, gen.job.logprobs)
+        text, thinking, calls = result.text, "", []
+        if parsed:
+            text, thinking, calls = split_answer(backend.tokenizer, text, tools, gen.job.prompt)
+        whole = piece(text, calls, gen.job.logprobs, thinking)
         return JSONResponse({**whole, **_stats(result, started)})
 
-    async def _stream(gen: Generation, piece, tools, started: int):
-        splitter = ToolCallStream(*tools) if tools is not None else None
+    async def _stream(gen: Generation, piece, splitter, started: int):
+        """`splitter`: the answer's ReplyStream (None: plain text)."""
 
         def lines(pieces):
             for p in pieces:
-                yield _line(piece(p) if isinstance(p, str) else piece("", p))
+                if isinstance(p, Reasoning):
+                    yield _line(piece("", thinking=p))
+                else:
+                    yield _line(piece(p) if isinstance(p, str) else piece("", p))
 
         async for p in gen.pieces():
             if isinstance(p, CommitText) and splitter is None:
@@ -388,7 +404,8 @@ def add_ollama_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Semaph
                 "model_info": {"general.architecture": family,
                                f"{family}.context_length": backend.context},
                 "capabilities": ["completion"]
-                + (["tools"] if backend.tokenizer.tool_calling is not None else [])}  # fmt: skip
+                + (["tools"] if backend.tokenizer.tool_calling is not None else [])
+                + (["thinking"] if has_reasoning(backend.tokenizer) else [])}  # fmt: skip
 
     async def version():
         return {"version": OLLAMA_VERSION}

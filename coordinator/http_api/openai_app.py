@@ -44,6 +44,7 @@ from coordinator.http_api.generation import (
 )
 from coordinator.http_api.logprobs_format import LogprobText
 from coordinator.http_api.ollama_app import add_ollama_routes
+from coordinator.http_api.reply_parsing import Reasoning, has_reasoning, reply_stream, split_answer
 from coordinator.http_api.request_counting import CountRequests
 from coordinator.http_api.request_mapping import (
     PARAM_FIELDS,
@@ -53,7 +54,6 @@ from coordinator.http_api.request_mapping import (
 from coordinator.http_api.responses_app import add_responses_routes
 from coordinator.http_api.schemas import ChatCompletionRequest, CompletionRequest, GenerationFields
 from coordinator.http_api.tokenize_app import add_tokenize_routes
-from coordinator.http_api.tool_calls import ToolCallStream, split_tool_calls
 from coordinator.service.admission import Refused
 from coordinator.service.messages import RequestResult
 
@@ -81,7 +81,8 @@ API_SUPPORT = {
                            "supports": ["system", "stream", "stop_sequences", "temperature",
                                         "top_p", "top_k", "tool_use/tool_result blocks",
                                         "count_tokens", "tool_choice any/tool"],
-                           "refuses": ["image/document blocks", "thinking"]},
+                           "refuses": ["image/document blocks",
+                                       "thinking (a model without reasoning markers)"]},
     "openai_responses": {"path": "/v1/responses",
                          "supports": ["input string or message items", "instructions",
                                       "max_output_tokens", "temperature", "top_p", "stream"],
@@ -91,7 +92,8 @@ API_SUPPORT = {
                "supports": ["stream (NDJSON)", "system", "raw", "options temperature/top_p/"
                             "top_k/num_predict/stop/seed", "tools", "model name or name:latest",
                             "format json/schema", "logprobs"],
-               "refuses": ["images", "think", "template", "suffix", "context"]},
+               "refuses": ["images", "think (a model without reasoning markers)",
+                           "template", "suffix", "context"]},
 }  # fmt: skip
 
 
@@ -211,6 +213,13 @@ class _Reply:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return _sse(self._envelope(obj, [], usage=usage))
 
+    def reasoning_chunk(self, text: str) -> str:
+        """Reasoning text, under both names clients read (mlx-lm's and vLLM's
+        `reasoning`, DeepSeek's `reasoning_content`)."""
+        delta = {"reasoning": text, "reasoning_content": text}
+        choice = {"index": self.index, "delta": delta, "finish_reason": None, "logprobs": None}
+        return _sse(self._envelope("chat.completion.chunk", [choice]))
+
     def calls_chunk(self, calls: list[dict[str, Any]]) -> str:
         """Tool calls, each whole in one delta (sent once its end marker arrived)."""
         deltas = []
@@ -228,9 +237,12 @@ class _Reply:
         usage: dict[str, int],
         calls: list | None = None,
         logprobs: dict[str, Any] | None = None,
+        reasoning: str = "",
     ) -> dict[str, Any]:
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reasoning:
+                message["reasoning"] = message["reasoning_content"] = reasoning
             if calls:
                 message["content"] = text or None
                 message["tool_calls"] = calls
@@ -409,13 +421,14 @@ def build_app(backend: ApiBackend) -> FastAPI:
         replies = [_Reply(chat, backend.model_name, echo=echoes[0])]
         replies += [_Reply(chat, backend.model_name, i, replies[0], echoes[i // n])
                     for i in range(1, len(gens))]  # fmt: skip
-        tools = None
-        if chat and body.tools_in_use():  # type: ignore[attr-defined]
-            tools = (backend.tokenizer.tool_calling, chat_tools(body))  # type: ignore[arg-type]
+        # the answer's parts (content, reasoning, calls) in the model's own format
+        tools = chat_tools(body) if chat else None  # type: ignore[arg-type]
+        parsed = chat and (tools is not None or has_reasoning(backend.tokenizer))
         logprobs = gens[0].job.params.logprobs is not None
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            streams = [_choice_stream(g, r, tools, body.stream_commits, logprobs)
+            streams = [_choice_stream(g, r, tools if parsed else False, body.stream_commits,
+                                      logprobs)
                        for g, r in zip(gens, replies, strict=True)]  # fmt: skip
             return event_stream(_stream(streams, replies, include_usage, n))
         results = await asyncio.gather(*(g.result() for g in gens))
@@ -426,9 +439,10 @@ def build_app(backend: ApiBackend) -> FastAPI:
                 raise failure(result)
         answers = []
         for i, (gen, reply, result) in enumerate(zip(gens, replies, results, strict=True)):
-            text, calls = result.text, []
-            if tools is not None:
-                text, calls = split_tool_calls(tools[0], text, tools[1])
+            text, reasoning, calls = result.text, "", []
+            if parsed:
+                text, reasoning, calls = split_answer(backend.tokenizer, text, tools,
+                                                      gen.job.prompt)  # fmt: skip
             reason = finish_reason(result)
             if calls and reason == "stop":
                 reason = "tool_calls"
@@ -438,7 +452,7 @@ def build_app(backend: ApiBackend) -> FastAPI:
                 text, found = reply.echoed(text, gen.job.logprobs, leader, token_text, logprobs)
             elif logprobs:
                 found = reply.logprobs(gen.job.logprobs, token_text)
-            answers.append(reply.whole(text, reason, _usage(result), calls, found))
+            answers.append(reply.whole(text, reason, _usage(result), calls, found, reasoning))
         whole = answers[0]
         whole["choices"] = [a["choices"][0] for a in answers]
         whole["usage"] = _usage_all(results, n, echoes[0] is not None and echoes[0].drop)
@@ -472,12 +486,18 @@ def build_app(backend: ApiBackend) -> FastAPI:
         groups the tokens of one forward); `logprobs`: each text chunk carries its tokens'
         logprobs. With echo, the prompt's chunk comes first (with its logprobs, which the
         first commit carried)."""
-        calls = ToolCallStream(*tools) if tools is not None else None
+        # `tools` False: the answer is not parsed (plain text); else the request's tools
+        calls = None
+        if tools is not False:
+            calls = reply_stream(backend.tokenizer, tools, gen.job.prompt)
         echo = reply.echo
 
-        def chunks(pieces):  # text, or the calls of one completed tool call
+        def chunks(pieces):  # text, reasoning, or the calls of one completed tool call
             for p in pieces:
-                yield reply.text_chunk(p) if isinstance(p, str) else reply.calls_chunk(p)
+                if isinstance(p, Reasoning):
+                    yield reply.reasoning_chunk(p)
+                else:
+                    yield reply.text_chunk(p) if isinstance(p, str) else reply.calls_chunk(p)
 
         async for piece in gen.pieces(merge=not commits):
             if echo is not None and not (isinstance(piece, RequestResult) and piece.error):

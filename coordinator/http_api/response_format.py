@@ -80,8 +80,14 @@ def tool_choice_grammar(
         if not chosen:
             raise ApiError(400, f"tool_choice: no tool named {name!r} in tools", "tool_choice")
     if not syntax.parse.__module__.endswith("json_tools"):
-        raise ApiError(400, "tool_choice: required and named functions need a JSON tool-call "
-                       "format (Qwen's <tool_call>); this model's is another",
+        from coordinator.http_api.tool_grammar import call_lark  # the other formats
+
+        stops = getattr(grammars, "_stop_ids", ())  # the model's stop tokens
+        if (other := call_lark(chosen, syntax, stops)) is not None:
+            return _checked(grammars, other, "tool_choice")
+        raise ApiError(400, "tool_choice: required and named functions need a tool-call "
+                       "format this server writes (json_tools, qwen3_coder, glm47, harmony); "
+                       f"this model's is {syntax.format or 'another'}",
                        "tool_choice")  # fmt: skip
     calls = [
         {
