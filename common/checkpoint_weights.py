@@ -15,10 +15,10 @@ from common.errors import CheckpointError
 # checkpoint's text layers (`language_model.model.layers.N.` as mlx-lm names them,
 # `model.language_model.layers.N.` as transformers saves them), and DiffusionGemma's
 # decoder layers and their encoder-side scalars (`model.decoder.layers.N.`,
-# `model.encoder.language_model.layers.N.`).
+# `model.encoder.language_model.layers.N.`), and a Mamba hybrid's (`backbone.layers.N.`).
 _LAYER_KEY = re.compile(
     r"^(?:model\.(?:decoder\.|encoder\.language_model\.|language_model\.)?"
-    r"|language_model\.model\.)layers\.(\d+)\."
+    r"|language_model\.model\.|backbone\.)layers\.(\d+)\."
 )
 
 

@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.kv_format import FULL, KVFormat
+from common.recurrent_rows import Groups, LayerState, width_groups
 from common.window_mask import attention_mask, compiled_attention_mask
 
 Stored = mx.array | tuple[mx.array, ...]  # one tensor, or the parts of a quantized one
@@ -145,12 +146,19 @@ class KVRows:
         num_rows: int,
         seq_ids: list[int] | None = None,
         kv: KVFormat = FULL,
+        states: tuple[int, ...] = (),
     ) -> None:
+        """`states[i]`: layer i's recurrent state arrays (0 or absent: attention KV)."""
         self.kv = kv
-        if kv.bits is None:
-            self.layers = [LayerKV() for _ in range(num_layers)]
-        else:
-            self.layers = [QuantizedLayerKV(kv.bits, kv.group_size) for _ in range(num_layers)]
+        self.states = tuple(states) + (0,) * (num_layers - len(states))
+        self.layers: list[LayerKV | LayerState] = [
+            LayerState(n) if n else self._layer_kv(kv) for n in self.states
+        ]
+        self.recurrent = any(self.states)
+        # Per row, the length its recurrent state has run to (it cannot be taken back:
+        # a forward whose rows were not all kept leaves it ahead of `lengths`).
+        self.state_at = np.zeros(num_rows, dtype=np.int64)
+        self.state_groups: Groups = None  # this forward's rows by width (_begin_states)
         self.lengths = np.zeros(num_rows, dtype=np.int64)  # host copy: no device reads
         # Per row, the end of rows past its length that later forwards still read (a
         # diffusion canvas: a compacted forward reuses the K/V of positions it does not
@@ -164,12 +172,19 @@ class KVRows:
         self._starts = np.zeros(num_rows, dtype=np.int64)
         self._width = 0
 
+    @staticmethod
+    def _layer_kv(kv: KVFormat) -> LayerKV:
+        return LayerKV() if kv.bits is None else QuantizedLayerKV(kv.bits, kv.group_size)
+
     @property
     def num_rows(self) -> int:
         return len(self.lengths)
 
-    def begin(self, windows: np.ndarray | mx.array) -> mx.array | str | None:
-        """Prepare a forward of `windows` ([rows, T, T] visibilities) at the current lengths.
+    def begin(
+        self, windows: np.ndarray | mx.array, widths: np.ndarray | None = None
+    ) -> mx.array | str | None:
+        """Prepare a forward of `windows` ([rows, T, T] visibilities) at the current lengths;
+        `widths`: each row's real slots (None: all T), what recurrent layers take in.
 
         Returns the attention mask for mlx-lm's layers (None / "causal" when the plain
         causal fast path applies, as in mlx-lm's own generation).
@@ -177,6 +192,8 @@ class KVRows:
         rows, t = windows.shape[0], windows.shape[-1]
         if rows != self.num_rows:
             raise ValueError(f"forward has {rows} rows, the cache has {self.num_rows}")
+        if self.recurrent:
+            self._begin_states(np.full(rows, t) if widths is None else np.asarray(widths), t)
         end = int(self.lengths.max()) + t
         if end > self.capacity:
             self.capacity = -(-end // GROW_STEP) * GROW_STEP
@@ -206,6 +223,27 @@ class KVRows:
         build = compiled_attention_mask if on_device else attention_mask
         return build(starts_mx, windows, self.span)
 
+    def _begin_states(self, widths: np.ndarray, t: int) -> None:
+        """Group the rows by width for recurrent layers (recurrent_rows.run_state_layer:
+        padding never enters a state); a row starting at 0 on an old state (a reused
+        padding id) starts from zeros; a row whose state ran past its kept rows fails."""
+        ahead = self.state_at != self.lengths
+        fresh = ahead & (self.lengths == 0)
+        stale = ahead & ~fresh
+        if stale.any():
+            r = int(np.flatnonzero(stale)[0])
+            raise ValueError(
+                f"sequence {self.seq_ids[r]}'s recurrent state has run {self.state_at[r]} "
+                f"rows but only {self.lengths[r]} were kept: a recurrent state cannot be "
+                "rolled back"
+            )
+        if fresh.any():
+            for layer in self.layers:
+                if isinstance(layer, LayerState):
+                    layer.reset_rows(fresh)
+        self.state_groups = width_groups(widths, t)
+        self.state_at = self.lengths + np.minimum(widths, t)
+
     def sliding_mask(self, mask: mx.array | str | None, window: int | None) -> mx.array:
         """`mask` (what `begin` returned) as an array, narrowed to a sliding window of
         `window` positions (None: no window): a query at position p sees keys
@@ -221,8 +259,9 @@ class KVRows:
 
     def _bind(self, offset: mx.array) -> None:
         for layer in self.layers:
-            layer.offset = offset
-            layer._rows = weakref.ref(self)
+            if isinstance(layer, LayerKV):
+                layer.offset = offset
+                layer._rows = weakref.ref(self)
 
     def reserve(self, ends: np.ndarray) -> None:
         """Keep each row's positions up to ends[b] (a canvas written past its length)."""
@@ -238,6 +277,7 @@ class KVRows:
         finished sequences) then cost about their own length, not the batch's."""
         idx = mx.array(rows, dtype=mx.int32)
         self.lengths = self.lengths[rows]
+        self.state_at = self.state_at[rows]
         self.reserved = self.reserved[rows]
         self.seq_ids = [self.seq_ids[r] for r in rows]
         longest = int(np.maximum(self.lengths, self.reserved).max()) if len(rows) else 0

@@ -14,12 +14,15 @@ import mlx.core as mx
 
 from common.kv_format import FULL, KVFormat
 from common.kv_rows import KVRows, like, parts_of
+from common.recurrent_rows import gather_states
 
 
 class KVStore:
-    def __init__(self, num_layers: int, kv: KVFormat = FULL) -> None:
+    def __init__(self, num_layers: int, kv: KVFormat = FULL, states: tuple[int, ...] = ()) -> None:
+        """`states[i]`: layer i's recurrent state arrays (0 or absent: attention KV)."""
         self.num_layers = num_layers
         self.kv = kv
+        self.states = tuple(states)
         self.batches: list[KVRows] = []
         self._where: dict[int, KVRows] = {}
         self._forks: dict[int, tuple[int, int]] = {}  # new sequence -> (source, length)
@@ -45,6 +48,14 @@ class KVStore:
         have = self.length(source)
         if not 0 < length <= have:
             return f"fork of {length} rows from sequence {source}, which holds {have}"
+        if any(self.states):
+            batch = self._where[source]
+            at = int(batch.state_at[batch.seq_ids.index(source)])
+            if length != at:  # a state summarises every row it ran: no shorter prefix
+                return (
+                    f"fork of {length} rows from sequence {source}, whose recurrent state "
+                    f"holds {at}: a recurrent state forks only at its own length"
+                )
         return None
 
     def fork(self, seq_id: int, source: int, length: int) -> None:
@@ -115,7 +126,7 @@ class KVStore:
         forks start as a copy of their source's row. Per layer it costs one concatenation
         of the source batches and one row gather (not an op per row: a batch of 32 rows
         joined by one sequence is 4 ops a layer, not 64)."""
-        new = KVRows(self.num_layers, len(seq_ids), seq_ids, self.kv)
+        new = KVRows(self.num_layers, len(seq_ids), seq_ids, self.kv, self.states)
         found = [self._source(s) for s in seq_ids]
         sources = [(f[0], f[1]) if f is not None else None for f in found]
         batches = list({id(f[0]): f[0] for f in found if f is not None}.values())
@@ -123,12 +134,19 @@ class KVStore:
         for row, (sid, f) in enumerate(zip(seq_ids, found, strict=True)):
             if f is not None:
                 new.lengths[row] = f[2]
+                # a fork's state is its source's, at the fork's length (fork_problem)
+                new.state_at[row] = f[0].state_at[f[1]] if sid not in self._forks else f[2]
                 if sid not in self._forks:  # a moved row keeps its reserved positions
                     new.reserved[row] = f[0].reserved[f[1]]
         for layer in range(self.num_layers):
+            if new.states[layer]:  # a recurrent layer: its state rows, not positions
+                held = [(id(b), b.layers[layer]) for b in batches]
+                rows = [None if x is None else (id(x[0]), x[1]) for x in sources]
+                new.layers[layer].cache = gather_states(held, rows, new.states[layer])
+                continue
             stored = [b.layers[layer] for b in batches if b.layers[layer].keys is not None]
             if not stored:
-                break  # nothing stored yet: buffers are created on the first write
+                continue  # nothing stored yet: buffers are created on the first write
             for name in ("keys", "values"):
                 template = getattr(stored[0], name)
                 taken = []

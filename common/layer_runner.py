@@ -43,9 +43,11 @@ def _check_quantized_kv(parts: ModelParts, kv: KVFormat) -> None:
     """Run the first layer once on two positions with this quantized KV: a family whose
     attention cannot read quantized KV (gpt-oss's attention sinks, in mlx-lm's quantized
     attention) is refused at the start, in one line, not at its first request."""
-    probe = SimpleNamespace(
-        layers=parts.layers[:1],
-        windows=getattr(parts, "windows", ())[:1],
+    caches = getattr(parts, "caches", ())
+    first = next((i for i, c in enumerate(caches) if c.cached and not c.recurrent), 0)
+    probe = SimpleNamespace(  # its first attention layer: recurrent state is never quantized
+        layers=parts.layers[first : first + 1],
+        caches=caches[first : first + 1],
         array_mask=getattr(parts, "array_mask", False),
     )
     dtype = parts_dtype(parts)
@@ -66,7 +68,8 @@ class LayerRunner:
             _check_quantized_kv(parts, kv)
         self.parts = parts
         self.kv = kv
-        self.store = KVStore(len(parts.layers), kv)
+        states = tuple(c.state for c in getattr(parts, "caches", ()))
+        self.store = KVStore(len(parts.layers), kv, states)
         self.max_positions = parts.config.max_position_embeddings
         self._rows_run = self._forwards_run = 0  # since MLX's buffer cache was last emptied
 
@@ -89,6 +92,12 @@ class LayerRunner:
             raise RowsError("INVALID_ARGUMENT", f"row widths must be in [1, {t}]")
         if ((spec.keeps < 0) | (spec.keeps > spec.widths)).any():
             raise RowsError("INVALID_ARGUMENT", "keep counts must be in [0, width]")
+        if any(self.store.states) and ((spec.keeps > 0) & (spec.keeps < spec.widths)).any():
+            raise RowsError(
+                "INVALID_ARGUMENT",
+                "these layers keep recurrent state, which cannot take back rows: a row "
+                "keeps all of its width or none (padding)",
+            )
         if spec.has_canvas:
             if not self.parts.config.diffusion:
                 raise RowsError(
@@ -167,7 +176,7 @@ class LayerRunner:
 
             out = run_diffusion_layers(self.parts, hidden, kv, spec)
         else:
-            out = run_layers(self.parts, hidden, kv, spec.windows())
+            out = run_layers(self.parts, hidden, kv, spec.windows(), spec.widths)
         kv.commit(spec.keeps)
         self._rows_run += int(spec.keeps.sum())  # KV rows written: what grows the buffers
         self._forwards_run += 1

@@ -3,10 +3,10 @@
 A checkpoint's `model_type` is resolved through mlx-lm's own registry (`_get_classes`:
 its MODEL_REMAPPING and architecture remapping), so a family is served when mlx-lm has
 it. From the built model object this module finds the layer list (wherever the family
-keeps it) and what each layer's attention needs, from mlx-lm's `make_cache()`: a
+keeps it) and what each layer keeps between forwards, from mlx-lm's `make_cache()`: a
 `KVCache` is full attention, a `RotatingKVCache(max_size=W)` a sliding window of W
-positions; any other cache (ArraysCache, MambaCache, ...) is recurrent state, which the
-engine's per-row KV cache cannot hold yet."""
+positions, an `ArraysCache(size=n)` (MambaCache is one) the n arrays of a linear-attention
+or state-space layer's recurrent state (common/recurrent_rows.py holds them per row)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,8 @@ import mlx.nn as nn
 
 from common.errors import CheckpointError
 
-# Cache classes that are not attention KV, named in the refusal by what they hold.
+# Cache classes this engine does not hold, named in the refusal by what they hold.
 _STATE_NAMES = {
-    "ArraysCache": "linear-attention, state-space or convolution layers (recurrent state)",
-    "MambaCache": "Mamba (state-space) layers (recurrent state)",
     "CacheList": "layers with several caches each (hybrid attention and recurrent state)",
     "ChunkedKVCache": "chunked-attention layers",
     "ConcatenateKVCache": "layers whose cache is concatenated keys",
@@ -100,36 +98,74 @@ def _find_list(module: nn.Module, target: list, prefix: str):
     return None
 
 
-def layer_windows(model: nn.Module, family: str, num_layers: int) -> tuple[int | None, ...]:
-    """Per layer, its attention window (None: full attention), from mlx-lm's caches:
-    make_cache() when the family has one, else a KVCache per layer (mlx-lm's default)."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+@dataclass(frozen=True)
+class LayerCache:
+    """What one layer keeps between forwards, as mlx-lm's make_cache() says."""
+
+    window: int | None = None  # attention: its sliding window (None: full attention)
+    state: int = 0  # recurrent: the arrays of its state (ArraysCache(size=n)); 0: none
+    cached: bool = True  # False: the layer takes no cache (nemotron_h's MLP layers)
+
+    @property
+    def recurrent(self) -> bool:
+        return self.state > 0
+
+
+KV = LayerCache()
+NO_CACHE = LayerCache(cached=False)
+
+# Families whose make_cache() skips layers that take no cache: which layers take one
+# (mlx-lm's own forward hands its caches out in this order).
+_TAKES_CACHE = {
+    "nemotron_h": lambda layer: layer.block_type in ("M", "*"),
+    "granitemoehybrid": lambda layer: layer.layer_type in ("mamba", "attention"),
+}
+
+
+def layer_caches(model: nn.Module, family: str, num_layers: int) -> tuple[LayerCache, ...]:
+    """Per layer, what it keeps (attention KV and its window, or recurrent state), from
+    mlx-lm's caches: make_cache() when the family has one, else a KVCache per layer
+    (mlx-lm's default)."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
     make = getattr(model, "make_cache", None)
     if make is None:
-        return (None,) * num_layers
+        return (KV,) * num_layers
     try:
         caches = make()
     except Exception as e:  # a family's own code: whatever it raises, one line
         raise CheckpointError(f"mlx-lm's {family} model cannot make its caches: {e}") from None
-    windows: list[int | None] = []
+    kinds: list[LayerCache] = []
     for cache in caches:
         if type(cache) is KVCache:
-            windows.append(None)
+            kinds.append(KV)
         elif type(cache) is RotatingKVCache and not cache.keep:
-            windows.append(int(cache.max_size))
+            kinds.append(LayerCache(window=int(cache.max_size)))
+        elif isinstance(cache, ArraysCache):  # MambaCache is an ArraysCache of 2
+            kinds.append(LayerCache(state=len(cache.cache)))
         else:
             kind = _STATE_NAMES.get(type(cache).__name__, f"layers with a {type(cache).__name__}")
             raise CheckpointError(
-                f"{family} has {kind}, which this engine cannot serve yet "
-                "(it serves attention layers: full or sliding-window KV)"
+                f"{family} has {kind}, which this engine cannot serve yet (it serves "
+                "attention layers, full or sliding-window, and recurrent state)"
             )
-    if len(caches) != num_layers:
+    takes = _TAKES_CACHE.get(family)
+    if takes is not None and len(caches) < num_layers:
+        layers = find_layers(model, family).layers
+        if sum(map(takes, layers)) == len(kinds):
+            given = iter(kinds)
+            kinds = [next(given) if takes(layer) else NO_CACHE for layer in layers]
+    if len(kinds) != num_layers:
         raise CheckpointError(
             f"mlx-lm's {family} model makes {len(caches)} caches for {num_layers} layers: "
             "this engine cannot tell which layer each belongs to"
         )
-    return tuple(windows)
+    return tuple(kinds)
+
+
+def layer_windows(model: nn.Module, family: str, num_layers: int) -> tuple[int | None, ...]:
+    """Per layer, its attention window (None: full attention or no attention)."""
+    return tuple(c.window for c in layer_caches(model, family, num_layers))
 
 
 def wants_array_mask(owner: nn.Module) -> bool:

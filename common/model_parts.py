@@ -19,12 +19,14 @@ from common.layer_range import LayerRange
 from common.model_config import ModelConfig, load_model_config
 from common.model_ends import ModelEnds
 from common.parts_weights import checkpoint_quantization, install_weights, quantize_as_stored
+from common.recurrent_rows import run_state_layer
 from common.weights_match import check_weights
 
 
 class ModelParts(nn.Module):
     """Layers `layer_range` of a model, plus the ends (embedding, norm, head) when asked for.
-    `windows[i]`: layer i's attention window (None: full attention), from mlx-lm's caches."""
+    `caches[i]`: what layer i keeps (model_families.LayerCache, from mlx-lm's caches);
+    `windows[i]`: its attention window (None: full attention)."""
 
     def __init__(
         self,
@@ -40,15 +42,15 @@ class ModelParts(nn.Module):
         family = config.family
         try:
             found = model_families.find_layers(full, family)
-            # what each layer needs first: a recurrent family is refused for that
-            all_windows = model_families.layer_windows(full, family, len(found.layers))
+            # what each layer keeps: attention KV (its window) or recurrent state
+            all_caches = model_families.layer_caches(full, family, len(found.layers))
         except CheckpointError as e:
             raise CheckpointError(f"{config.path / 'config.json'}: {e}") from None
         if split_layer_key(f"{found.path}.0.w") is None:
             raise CheckpointError(
                 f"{config.path / 'config.json'}: mlx-lm's {family} keeps its layers at "
                 f"{found.path}, which this engine cannot split into layer ranges yet "
-                "(it knows model.layers.N and language_model.model.layers.N)"
+                "(it knows model.layers.N, language_model.model.layers.N and backbone.layers.N)"
             )
         self.layers_path = found.path  # the layers' parameter path in mlx-lm's model
         self.array_mask = model_families.wants_array_mask(found.owner)
@@ -56,10 +58,13 @@ class ModelParts(nn.Module):
         self.layers = [blocks[i] for i in layer_range] if layer_range else []
         for layer in self.layers:
             model_families.check_layer_call(layer, family)
-        windows = tuple(all_windows[i] for i in layer_range) if layer_range else ()
-        object.__setattr__(self, "windows", windows)  # a plain attribute, not a child
-        # any layer of the model (not only these) attends through a sliding window
-        object.__setattr__(self, "sliding", any(w is not None for w in all_windows))
+        caches = tuple(all_caches[i] for i in layer_range) if layer_range else ()
+        object.__setattr__(self, "caches", caches)  # plain attributes, not children
+        object.__setattr__(self, "windows", tuple(c.window for c in caches))
+        # any layer of the model (not only these) attends through a sliding window, or
+        # keeps recurrent state: what the engine's decoding modes ask of the whole model
+        object.__setattr__(self, "sliding", any(c.window is not None for c in all_caches))
+        object.__setattr__(self, "recurrent", any(c.recurrent for c in all_caches))
         if with_ends:
             self.ends = ModelEnds(full, found)
 
@@ -163,20 +168,34 @@ def load_model_parts(
 LAUNCH_EVERY = 6  # layers per launched chunk of a forward's graph (0: one launch at the end)
 
 
-def run_layers(parts: ModelParts, hidden: mx.array, kv: KVRows, windows: np.ndarray) -> mx.array:
+def run_layers(
+    parts: ModelParts,
+    hidden: mx.array,
+    kv: KVRows,
+    windows: np.ndarray,
+    widths: np.ndarray | None = None,
+) -> mx.array:
     """Run `hidden` [rows, T, H] through this process's layers at the rows' current lengths
     (an mlx-lm family's layers; a diffusion model's run in common/diffusion/layers.py).
-    A sliding-window layer gets the mask of its own window, built once per forward."""
-    mask = kv.begin(windows)
+    A sliding-window layer gets the mask of its own window, built once per forward; a
+    recurrent layer runs on each row's real slots only (`widths`; None: all T)."""
+    mask = kv.begin(windows, widths)
     if isinstance(mask, str) and getattr(parts, "array_mask", False):
         mask = kv.sliding_mask(mask, None)  # "causal" as an array, for layers that need one
-    sliding = getattr(parts, "windows", ())
+    caches = getattr(parts, "caches", None) or tuple(
+        model_families.LayerCache(window=w) for w in getattr(parts, "windows", ())
+    )  # a stand-in may name its windows only
     masks: dict[int | None, mx.array | str | None] = {None: mask}
     for i, (layer, cache) in enumerate(zip(parts.layers, kv.layers, strict=True), 1):
-        window = sliding[i - 1] if sliding else None
-        if window not in masks:
-            masks[window] = kv.sliding_mask(mask, window)
-        hidden = layer(hidden, masks[window], cache=cache)
+        kind = caches[i - 1] if caches else model_families.KV
+        if kind.recurrent:
+            hidden = run_state_layer(layer, hidden, cache, kv.state_groups)
+        elif not kind.cached:  # no cache and no attention (nemotron_h's MLP layers)
+            hidden = layer(hidden, None, cache=None)
+        else:
+            if kind.window not in masks:
+                masks[kind.window] = kv.sliding_mask(mask, kind.window)
+            hidden = layer(hidden, masks[kind.window], cache=cache)
         if LAUNCH_EVERY and i % LAUNCH_EVERY == 0 and i < len(parts.layers):
             # Start the device on the layers built so far: the host builds the rest of
             # the graph while they run, instead of the device waiting for all of it.

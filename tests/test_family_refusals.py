@@ -1,7 +1,8 @@
 """What the engine does not serve stops the start with one line, through the real CLI
-(`wedlm generate --model DIR`): a model_type mlx-lm does not know, a family whose layers
-keep recurrent state (linear attention, Mamba), and a checkpoint whose tensors disagree
-with its config.json (missing, extra, misshapen), each named with its file."""
+(`wedlm generate --model DIR`): a model_type mlx-lm does not know, a decoding mode a
+family with recurrent layers (linear attention, Mamba) cannot run, and a checkpoint whose
+tensors disagree with its config.json (missing, extra, misshapen), each named with its
+file."""
 
 from __future__ import annotations
 
@@ -15,65 +16,14 @@ import mlx.core as mx
 import pytest
 
 from tests.checkpoints import make_mlx_checkpoint
-
-SMALL = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 512,
-    "rope_theta": 10000.0,
-}
-LINEAR = {
-    "linear_num_value_heads": 4,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "full_attention_interval": 2,
-}
-# Recurrent families, as config.json only: they are refused before any weight is read.
-RECURRENT = {
-    "qwen3_next": {
-        **SMALL,
-        **LINEAR,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1,
-        "shared_expert_intermediate_size": 32,
-        "mlp_only_layers": [],
-        "moe_intermediate_size": 32,
-        "partial_rotary_factor": 0.5,
-    },
-    "nemotron_h": {
-        **SMALL,
-        "attention_bias": False,
-        "mamba_num_heads": 4,
-        "mamba_head_dim": 16,
-        "mamba_proj_bias": False,
-        "ssm_state_size": 16,
-        "conv_kernel": 4,
-        "n_groups": 1,
-        "mlp_bias": False,
-        "layer_norm_epsilon": 1e-5,
-        "use_bias": False,
-        "use_conv_bias": True,
-        "hybrid_override_pattern": "M*M-",
-    },
-    # the multimodal layout: the text model's sizes under text_config
-    "qwen3_5": {"text_config": {**SMALL, **LINEAR, "model_type": "qwen3_5_text"}},
-}
+from tests.test_recurrent_families import SPECS
 
 
-def wedlm_generate(model) -> subprocess.CompletedProcess:
+def wedlm_generate(model, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, "-m", "wedlm_client.cli", "generate", "--model", str(model)]
     return subprocess.run(
-        [*argv, "--prompt", "x"],
+        [*argv, "--prompt", "x", "--max-tokens", "4", *extra],
         capture_output=True,
         text=True,
         timeout=180,
@@ -81,8 +31,8 @@ def wedlm_generate(model) -> subprocess.CompletedProcess:
     )
 
 
-def assert_refused(model, *parts: str) -> None:
-    out = wedlm_generate(model)
+def assert_refused(model, *parts: str, extra: tuple[str, ...] = ()) -> None:
+    out = wedlm_generate(model, extra)
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     line = next((ln for ln in out.stderr.splitlines() if parts[0] in ln), None)
@@ -108,14 +58,24 @@ def test_a_model_type_mlx_lm_does_not_know(gpt_oss, tmp_path):
     assert_refused(d, str(d / "config.json"), "unsupported model_type 'no_such_family'", "mlx-lm")
 
 
-@pytest.mark.parametrize("family", list(RECURRENT))
-def test_recurrent_families_are_refused_by_name(family, tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, **RECURRENT[family]}))
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    root = tmp_path_factory.mktemp("refusals")
+    return make_mlx_checkpoint(root / "qwen3_next", "qwen3_next", spec=SPECS["qwen3_next"])
+
+
+@pytest.mark.parametrize("mode", ["wedlm", "speculative"])
+def test_a_recurrent_family_is_served_and_refuses_modes_by_name(qwen3_next, mode):
+    """A hybrid family (recurrent linear-attention layers) loads and generates with AR;
+    a mode that writes rows and takes some back stops with one line naming both."""
+    served = wedlm_generate(qwen3_next)
+    assert served.returncode == 0 and "Traceback" not in served.stderr, served.stderr
     assert_refused(
-        tmp_path,
-        f"{family} has linear-attention, state-space or convolution layers (recurrent state)",
-        "cannot serve yet",
-        str(tmp_path / "config.json"),
+        qwen3_next,
+        f"mode {mode} is not served for qwen3_next",
+        "recurrent layers",
+        "use mode ar",
+        extra=("--mode", mode),
     )
 
 

@@ -3,7 +3,10 @@ WeDLM where a wide forward costs about what a one-row one does (a Mac's GPU, a C
 the weights are read once for every row). Where a wide forward costs many one-row forwards
 (MLX's CPU backend multiplies quantized weights row by row: a 10-row forward measured 14x
 a one-row one on 2 x86 cores), WeDLM's windows commit fewer tokens per second than AR, so
-auto decodes with AR there. An explicit `mode: wedlm` still runs WeDLM."""
+auto decodes with AR there. An explicit `mode: wedlm` still runs WeDLM.
+
+A family with recurrent layers (linear attention, Mamba) decodes with AR whatever its
+checkpoint says: its state cannot take back the rows WeDLM and drafts write and reject."""
 
 from __future__ import annotations
 
@@ -25,3 +28,20 @@ def auto_mode(checkpoint_mode: str, wide_cost: float | None) -> tuple[str, str]:
         f"windows would commit fewer tokens per second than AR; a request that names "
         f"mode wedlm still gets WeDLM"
     )
+
+
+def family_mode(checkpoint_mode: str, recurrent: bool) -> str:
+    """The checkpoint's own mode as its family allows it: AR where layers keep recurrent
+    state (no mode that writes rows and takes some back)."""
+    return "ar" if recurrent and checkpoint_mode in ("wedlm", "speculative") else checkpoint_mode
+
+
+def refused_mode(mode: str, family: str, recurrent: bool) -> str | None:
+    """Why `mode` cannot decode this family (None: it can)."""
+    if recurrent and mode in ("wedlm", "speculative"):
+        return (
+            f"mode {mode} is not served for {family}: it has recurrent layers (linear "
+            f"attention or state-space), whose state cannot take back the rows that "
+            f"{'WeDLM windows' if mode == 'wedlm' else 'rejected drafts'} write (use mode ar)"
+        )
+    return None

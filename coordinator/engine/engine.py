@@ -27,9 +27,10 @@ from common.rows_spec import RowsSpec
 from common.window_mask import compiled_device_visibility
 from coordinator.engine import constrained, logit_bias, speculative_ahead, token_logprobs
 from coordinator.engine.ar_ahead import ar_decoding, next_plans, speculative
+from coordinator.engine.auto_mode import family_mode, refused_mode
 from coordinator.engine.forward_shapes import ForwardShapes, ShapeLimits, padded_width, row_bucket
 from coordinator.engine.pipeline import Pipeline
-from coordinator.engine.prefix_cache import PrefixCache
+from coordinator.engine.prefix_cache import PrefixCache, count_late_rows
 from coordinator.engine.prompt_sharing import can_share
 from coordinator.engine.row_plan import (
     RowPlan,
@@ -100,6 +101,8 @@ class Engine:
         limits = replace(limits or Limits(), max_running=num_rows)
         self.prefill_chunk = limits.prefill_chunk
         self.scheduler = self._new_scheduler(limits, micro_batches, prefix_cache)
+        if prefix_cache is not None and getattr(parts, "recurrent", False):
+            prefix_cache.forks_anywhere = False  # a state forks only where it was left
         self.in_flight: deque[InFlight] = deque()
         self._ids = itertools.count()
         self._batch_ids = itertools.count(1)
@@ -189,7 +192,8 @@ class Engine:
     def default_mode(self) -> str:
         """What requests in mode "auto" decode with: the checkpoint's own decoding, unless
         this machine's measured costs chose otherwise (auto_mode.py: `use_auto_mode`)."""
-        return self._auto_mode or self.config.default_mode
+        recurrent = getattr(self.parts, "recurrent", False)
+        return self._auto_mode or family_mode(self.config.default_mode, recurrent)
 
     def use_auto_mode(self, mode: str | None) -> None:
         """Mode "auto" decodes with `mode` from now on (None: the checkpoint's own)."""
@@ -226,7 +230,9 @@ class Engine:
             if self.grammars is None:
                 raise InvalidRequest("structured output needs the tokenizer (use_grammars)")
             seq.matcher = self.grammars.matcher(params.grammar)
-        if shares_with is not None and self.scheduler.shares_prompts:
+        # a recurrent state forks only at its own length, not at a choice's prompt - 1
+        shares = self.scheduler.shares_prompts and not getattr(self.parts, "recurrent", False)
+        if shares_with is not None and shares:
             seq.share_from = shares_with if can_share(seq, shares_with) else None
         seq.warning = self.mode_warning(params)
         if seq.warning and params.mode not in self._warned:
@@ -256,6 +262,11 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        refused = refused_mode(
+            params.mode, self.config.family, getattr(self.parts, "recurrent", False)
+        )
+        if refused:
+            raise InvalidRequest(refused)
         if params.mode == "wedlm" and getattr(self.parts, "sliding", False):
             # a window's slots are reordered (committed and filled first), and the sliding
             # mask counts slots, not logical positions: near a window's edge it would be off
@@ -324,6 +335,8 @@ class Engine:
 
     def _postprocess(self, ran: Ran) -> list[Commit]:
         flight = ran.flight
+        if getattr(self.parts, "recurrent", False):
+            count_late_rows(flight.plans)
         before = [len(p.seq.output) for p in flight.plans]
         window_steps = token_logprobs.wedlm_decoding(flight.plans)
         commits = self.scheduler.postprocess(

@@ -11,7 +11,13 @@ rows (a prompt that diverges mid-block keeps the part of the block that agrees).
 
 An entry whose tokens are a prefix of a newer one is dropped for it (a conversation's
 turns keep one entry, not one per turn). Eviction is least recently used, never of an
-entry a fork in flight still reads from (pinned)."""
+entry a fork in flight still reads from (pinned).
+
+A family with recurrent layers (linear attention, Mamba; `forks_anywhere=False`) cannot
+fork a state at an arbitrary prefix: it holds the state of its whole sequence only. Its
+hits are whole entries, an entry's tokens all a prefix of the prompt (a conversation's
+next turn, which starts with the last turn's prompt and answer); any other prompt is
+prefilled whole, so greedy tokens are the same with the cache on and off."""
 
 from __future__ import annotations
 
@@ -76,6 +82,7 @@ class PrefixCache:
     entries: dict[int, Entry] = field(default_factory=dict)
     stats: CacheStats = field(default_factory=CacheStats)
     tokens: int = 0  # KV rows the entries hold
+    forks_anywhere: bool = True  # False: hits are whole entries (recurrent state)
     _by_key: dict[int, set[int]] = field(default_factory=dict)
     _clock: itertools.count = field(default_factory=itertools.count)
     _dropped: list[int] = field(default_factory=list)  # ids whose rows the stages may drop
@@ -91,16 +98,33 @@ class PrefixCache:
         run (its logits start decoding), without taking it."""
         ids = np.asarray(prompt, dtype=np.int32)
         best: set[int] = set()
+        seen: set[int] = set()  # every entry met on the walk (whole hits: any may fit)
         for key in block_keys(ids, self.block):
             holders = self._by_key.get(key)
             if not holders:
                 break
             best = holders
+            seen |= holders
+        if not self.forks_anywhere:
+            return self._whole_hit(ids, seen)
         if not best:
             return None
         entry = max((self.entries[i] for i in best), key=lambda e: e.last_used)
         length = min(common_prefix(entry.tokens, ids), len(ids) - 1)
         return PrefixHit(entry.entry_id, length) if length >= self.block else None
+
+    def _whole_hit(self, ids: np.ndarray, seen: set[int]) -> PrefixHit | None:
+        """The longest entry whose tokens all begin `ids`, leaving its last token to run."""
+        fits = [
+            self.entries[i]
+            for i in seen
+            if len(self.entries[i].tokens) < len(ids)
+            and common_prefix(self.entries[i].tokens, ids) == len(self.entries[i].tokens)
+        ]
+        if not fits:
+            return None
+        entry = max(fits, key=lambda e: (len(e.tokens), e.last_used))
+        return PrefixHit(entry.entry_id, len(entry.tokens))
 
     def take(self, hit: PrefixHit) -> None:
         """A request starts from `hit`: pin its entry until the fork has run."""
@@ -129,7 +153,13 @@ class PrefixCache:
             return
         for other in list(self._by_key.get(keys[-1], ())):
             entry = self.entries[other]
-            if len(entry.tokens) >= len(ids) and common_prefix(entry.tokens, ids) == len(ids):
+            # (whole hits: only an equal entry serves what this one would)
+            longer = (
+                len(entry.tokens) >= len(ids)
+                if self.forks_anywhere
+                else (len(entry.tokens) == len(ids))
+            )
+            if longer and common_prefix(entry.tokens, ids) == len(ids):
                 entry.last_used = next(self._clock)  # covered: the older rows serve it
                 self._dropped.append(seq_id)
                 return
@@ -185,3 +215,15 @@ class PrefixCache:
         """Ids whose rows the stages may drop now (evicted, covered or not kept)."""
         dropped, self._dropped = self._dropped, []
         return dropped
+
+
+def count_late_rows(plans) -> None:
+    """Rows a forward ran for an AR sequence that had finished already (the look-ahead
+    row after its stop token; a forward in flight when it was cancelled) became permanent
+    on the stages: count them in its KV length, so that a recurrent family's cache entry
+    names exactly the tokens its stages' states have run. Before postprocess, which skips
+    finished sequences."""
+    for plan in plans:
+        seq = plan.seq
+        if seq.finished and seq.params.mode == "ar":
+            seq.kv_length += plan.keep

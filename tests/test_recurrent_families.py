@@ -1,0 +1,242 @@
+"""Hybrid families whose layers keep recurrent state (Qwen3-Next and Qwen3.5's gated
+delta-rule linear attention, Nemotron-H's Mamba-2), served by the single-process engine:
+greedy AR tokens equal mlx-lm's own `generate_step` (float32), alone, batched with a
+prompt of another length (a ragged prefill: padding must not enter a state), and from the
+prefix cache, which forks a state only at an entry's whole length. Modes that write rows
+and take some back (WeDLM, speculative) are refused by name; mode auto decodes with AR."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.generation_params import GenerationParams
+from common.model_families import KV, NO_CACHE, LayerCache
+from common.model_parts import load_model_parts
+from coordinator.engine.local_engine import open_local_engine
+from coordinator.engine.prefix_cache import PrefixCache
+from tests.checkpoints import WEDLM_RECORD, make_mlx_checkpoint, mlx_lm_greedy
+
+SMALL = {"num_hidden_layers": 4, "head_dim": 16}
+LINEAR = {
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 2,
+}
+# model_type -> make_mlx_checkpoint's spec: (architecture, config fields, tied head)
+SPECS = {
+    # linear-attention layers between full-attention ones, MoE with a shared expert
+    "qwen3_next": (
+        "Qwen3NextForCausalLM",
+        {
+            **SMALL,
+            **LINEAR,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "shared_expert_intermediate_size": 32,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 32,
+            "partial_rotary_factor": 0.5,
+        },
+        False,
+    ),
+    # Qwen3.5's multimodal layout: the text model (qwen3_5_text) under text_config
+    "qwen3_5": (
+        "Qwen3_5ForConditionalGeneration",
+        {"text_config": {**SMALL, **LINEAR, "model_type": "qwen3_5_text"}},
+        False,
+    ),
+    # Mamba-2 layers (M), attention (*) and an MLP layer (-) that takes no cache
+    "nemotron_h": (
+        "NemotronHForCausalLM",
+        {
+            **SMALL,
+            "attention_bias": False,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "mamba_proj_bias": False,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "n_groups": 1,
+            "mlp_bias": False,
+            "layer_norm_epsilon": 1e-5,
+            "use_bias": False,
+            "use_conv_bias": True,
+            "hybrid_override_pattern": "M*M-",
+        },
+        False,
+    ),
+}
+FAMILIES = list(SPECS)
+STATE = LayerCache(state=2)  # a layer of two state arrays (conv window, SSM/delta state)
+KINDS = {
+    "qwen3_next": (STATE, KV, STATE, KV),
+    "qwen3_5": (STATE, KV, STATE, KV),
+    "nemotron_h": (STATE, KV, STATE, NO_CACHE),
+}
+PROMPTS = (
+    "once upon a time there was a little robot who liked to count",
+    "the quick brown fox",
+)
+MAX_TOKENS = 16
+AR = GenerationParams(mode="ar", max_tokens=MAX_TOKENS)
+
+
+def make(root: Path, family: str) -> Path:
+    return make_mlx_checkpoint(root / family, family, seed=3, spec=SPECS[family])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("recurrent-families")
+    return {f: make(root, f) for f in FAMILIES}
+
+
+_ENGINES: dict = {}
+
+
+def engine(path: Path, rows: int = 1, cached: bool = False):
+    key = (str(path), rows, cached)
+    if key not in _ENGINES:
+        cache = PrefixCache(capacity_tokens=100_000) if cached else None
+        _ENGINES[key] = open_local_engine(path, num_rows=rows, prefix_cache=cache)
+    return _ENGINES[key]
+
+
+def reference(path: Path, prompt: list[int]) -> list[int]:
+    return mlx_lm_greedy(path, prompt, MAX_TOKENS, engine(path).engine.config.eos_token_ids)
+
+
+def run(local, prompts: list[list[int]]):
+    seqs = [local.engine.submit(p, AR) for p in prompts]
+    for _ in local.engine.stream(seqs):
+        pass
+    return seqs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_process_matches_mlx_lm(models, family):
+    path = models[family]
+    local = engine(path)
+    assert local.engine.parts.caches == KINDS[family]
+    for text in PROMPTS:
+        prompt = local.tokenizer.encode(text)
+        want = reference(path, prompt)
+        assert len(set(want)) > 2, "degenerate random model: the test would prove little"
+        assert run(local, [prompt])[0].output == want, text
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_prompts_batched_give_each_its_solo_tokens(models, family):
+    """The two prompts (12 and 4 tokens) are prefilled in one forward: the short one's
+    padding is masked out of its state, as mlx-lm's `lengths` mask does."""
+    path = models[family]
+    local = engine(path, rows=2)
+    prompts = [local.tokenizer.encode(t) for t in PROMPTS]
+    assert len(prompts[0]) != len(prompts[1])
+    seqs = run(local, prompts)
+    assert [s.output for s in seqs] == [reference(path, p) for p in prompts]
+
+
+def test_padding_reaching_a_state_would_change_the_tokens(models, monkeypatch):
+    """Run on the whole padded width, the rows' padding enters their states and the
+    tokens part from mlx-lm's: the parity above depends on running real slots only."""
+    from common import kv_rows
+
+    path = models["qwen3_next"]
+    local = open_local_engine(path, num_rows=2)
+    prompts = [local.tokenizer.encode(t) for t in PROMPTS]
+    monkeypatch.setattr(kv_rows, "width_groups", lambda widths, t: None)
+    seqs = run(local, prompts)
+    assert [s.output for s in seqs] != [reference(path, p) for p in prompts]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_prefix_cache_forks_a_state_only_whole(models, family):
+    """A repeated prompt is prefilled whole (its entry's state has run past the prompt);
+    the next turn of a conversation (the prompt, the answer, more) forks the whole entry.
+    Either way the tokens are mlx-lm's with the cache off."""
+    path = models[family]
+    local = engine(path, cached=True)
+    prompt = local.tokenizer.encode(PROMPTS[0] + " and then some more words to cache")
+    first = run(local, [prompt])[0]
+    again = run(local, [prompt])[0]
+    assert again.cached_tokens == 0
+    assert first.output == again.output == reference(path, prompt)
+    turn = prompt + first.output + local.tokenizer.encode(" and then")
+    nxt = run(local, [turn])[0]
+    assert nxt.cached_tokens >= len(prompt) + len(first.output) - 1
+    assert nxt.output == reference(path, turn)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_layer_ranges_carry_their_kinds(models, family):
+    """A stage holding layers 1-3 keeps the states of its own recurrent layers."""
+    from common.layer_range import LayerRange
+    from common.layer_runner import LayerRunner
+
+    parts = load_model_parts(models[family], LayerRange(1, 3), with_ends=False)
+    assert parts.caches == KINDS[family][1:]
+    assert parts.recurrent  # the model's: modes are refused on every stage alike
+    assert LayerRunner(parts).store.states == tuple(c.state for c in KINDS[family][1:])
+
+
+@pytest.mark.parametrize("mode", ["wedlm", "speculative"])
+def test_modes_that_take_rows_back_are_refused_by_name(models, mode):
+    from common.errors import InvalidRequest
+
+    local = engine(models["qwen3_next"])
+    prompt = local.tokenizer.encode(PROMPTS[1])
+    with pytest.raises(InvalidRequest, match=f"mode {mode} is not served for qwen3_next: it has "):
+        local.engine.submit(prompt, GenerationParams(mode=mode, max_tokens=4))
+
+
+def test_mode_auto_decodes_a_wedlm_record_with_ar(models, tmp_path):
+    """Even a checkpoint that says it is WeDLM-trained decodes with AR under mode auto."""
+    import shutil
+
+    path = shutil.copytree(models["nemotron_h"], tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "wedlm": WEDLM_RECORD}))
+    local = open_local_engine(path)
+    assert local.engine.config.default_mode == "wedlm"
+    assert local.engine.default_mode == "ar"
+    prompt = local.tokenizer.encode(PROMPTS[1])
+    seq = local.engine.submit(prompt, GenerationParams(max_tokens=MAX_TOKENS))
+    for _ in local.engine.stream([seq]):
+        pass
+    assert seq.params.mode == "ar" and seq.output == reference(path, prompt)
+
+
+def test_a_stage_refuses_what_would_break_a_state(models):
+    """A worker keeps every state in step with its rows: a forward keeping part of a
+    window, and a fork shorter than its source's state, are refused in one line."""
+    import mlx.core as mx
+
+    from common.layer_runner import LayerRunner, RowsError
+    from common.rows_spec import RowsSpec
+
+    parts = load_model_parts(models["qwen3_next"], with_ends=False)
+    runner = LayerRunner(parts)
+    hidden = mx.zeros((1, 4, parts.config.hidden_size))
+
+    def spec(sid, start, keep, forks=()):
+        return RowsSpec(
+            [sid], np.array([start]), np.array([4]), np.ones((1, 4), bool), np.array([keep]),
+            list(forks),
+        )  # fmt: skip
+
+    with pytest.raises(RowsError, match="recurrent state, which cannot take back rows"):
+        runner.forward(spec(1, 0, 2), hidden)
+    mx.eval(runner.forward(spec(1, 0, 4), hidden))
+    with pytest.raises(RowsError, match="a recurrent state forks only at its own length"):
+        runner.forward(spec(2, 2, 4, [(2, 1, 2)]), hidden)
+    mx.eval(runner.forward(spec(2, 4, 4, [(2, 1, 4)]), hidden))  # the whole state forks
+    assert runner.store.length(2) == 8
