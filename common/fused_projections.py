@@ -8,8 +8,10 @@ forwards alike: on an H200 a forward of r2 costs 0.92-1.01x the unfused one, one
 16 rows alike (RESULTS SC14).
 
 The fusion is exact: every output row of a linear layer (and, quantized, its scales and
-biases: groups run along the input) is its own, so stacking the layers' rows and slicing
-the product gives each layer's output. mlx-lm's model code is kept as it is: the old names
+biases: groups run along the input, in every MLX mode: affine, mxfp4, nvfp4, mxfp8) is its
+own, so stacking the layers' rows and slicing the product gives each layer's output.
+Projections quantized unalike (a mixed checkpoint's 6-bit v_proj beside 3-bit q/k, another
+mode, group size or dtype) keep their own calls. mlx-lm's model code is kept as it is: the old names
 (`q_proj`, ...) become slices of one shared product, computed once per input, and the fused
 weights live once under `qkv_proj` / `gate_up_proj` (mlx-lm's Phi-3 names). A llama or
 qwen2 attention whose q/k/v were fused also ropes q and k in one call

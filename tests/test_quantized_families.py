@@ -46,6 +46,13 @@ GREEDY = [
     ("qwen3", "mixed_3_6"),
 ]
 LOGITS = [(f, r) for f in ("qwen3", "gpt_oss", "deepseek_v3") for r in ("nvfp4", "mxfp8")]
+# the other families served (tests/checkpoints.py), MXFP4 and mixed: modules and logits
+OTHERS = (
+    "gemma3_text", "gemma3", "gemma2", "glm4", "olmo2", "granite", "cohere2", "kimi_k2",
+    "glm4_moe", "minimax", "mistral3", "llama4_text", "qwen3_moe", "llama",
+)  # fmt: skip
+LOGITS += [(f, r) for f in OTHERS for r in ("mxfp4", "mixed_3_6")]
+TRANSFORMERS_MADE = ("qwen3", "qwen3_moe", "llama")  # make_checkpoint's (hub names)
 
 
 class Checkpoints:
@@ -61,8 +68,8 @@ class Checkpoints:
             return self.made[key]
         if recipe == "float":
             out = self.root / family
-            if family == "qwen3":  # transformers' checkpoint (hub names), head dim 32
-                path = make_checkpoint(out, "qwen3", seed=3, head_dim=32)
+            if family in TRANSFORMERS_MADE:  # head dim 32: a KV group size divides it
+                path = make_checkpoint(out, family, seed=3, head_dim=32)
             else:
                 path = make_mlx_checkpoint(out, family, seed=3)
         elif recipe == "openai":
