@@ -4,8 +4,11 @@ as the system message, input items as messages), so that the same mapping, admis
 events, stop trimming and cancellation serve it (http_api/generation.py); the answer is a
 response object (one message item of output_text) or its stream of typed events. Errors
 keep OpenAI's shape. Nothing is stored: `store: true`, `previous_response_id` and
-`background` are refused, as are tools (for now); `text.format` json_object and
-json_schema give structured output."""
+`background` are refused; `text.format` json_object and json_schema give structured
+output. Function tools are chat's tools: `function_call` and `function_call_output` input
+items become the assistant's calls and the tool results, `tool_choice` the chat one, and
+the answer's reasoning, text and calls (parsed in the model's own format, reply_parsing.py)
+become reasoning, message and function_call output items (responses_items.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ from coordinator.http_api.generation import (
     finish_reason,
     openai_encoder,
 )
-from coordinator.http_api.request_mapping import PARAM_FIELDS
+from coordinator.http_api.reply_parsing import reply_stream, split_answer
+from coordinator.http_api.request_mapping import PARAM_FIELDS, chat_tools
+from coordinator.http_api.responses_items import ItemStream, message_item, output_items
 from coordinator.http_api.schemas import ChatCompletionRequest
 from coordinator.service.admission import Refused
 from coordinator.service.messages import RequestResult
@@ -50,6 +55,11 @@ class Item(_Body):
     type: str = "message"
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[Part] | None = None
+    # function_call and function_call_output items
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[Part] | None = None
 
 
 class ResponsesRequest(_Body):
@@ -78,9 +88,36 @@ def _refused(body: ResponsesRequest) -> None:
                        "the conversation in input", "previous_response_id")  # fmt: skip
     if body.background:
         raise ApiError(400, "background: background responses are not supported", "background")
-    if body.tools:
-        raise ApiError(400, "tools: tools are not supported by /v1/responses yet (use "
-                       "/v1/chat/completions)", "tools")  # fmt: skip
+
+
+def _tools(body: ResponsesRequest) -> dict[str, Any]:
+    """Function tools and tool_choice as chat's fields."""
+    if not body.tools:
+        return {}
+    tools = []
+    for i, tool in enumerate(body.tools):
+        if tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+            raise ApiError(400, f"tools[{i}]: only function tools (type function, with a "
+                           f"name) are served here, got type {tool.get('type')!r}",
+                           f"tools[{i}].type")  # fmt: skip
+        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        tools.append({"type": "function", "function": function})
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise ApiError(400, "tool_choice: 'none', 'auto', 'required' or {\"type\": "
+                           "\"function\", \"name\": ...}", "tool_choice")  # fmt: skip
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return {"tools": tools, "tool_choice": choice}
+
+
+def _call_message(i: int, item: Item) -> dict[str, Any]:
+    if item.call_id is None or item.name is None:
+        raise ApiError(400, f"input[{i}]: a function_call item needs call_id and name",
+                       f"input[{i}]")  # fmt: skip
+    call = {"id": item.call_id, "type": "function",
+            "function": {"name": item.name, "arguments": item.arguments or "{}"}}  # fmt: skip
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
 
 
 def _content(i: int, content: str | list[Part] | None) -> str:
@@ -105,16 +142,34 @@ def to_openai(body: ResponsesRequest) -> ChatCompletionRequest:
         messages.append({"role": "user", "content": body.input})
     else:
         for i, item in enumerate(body.input):
+            if item.type == "reasoning":  # a past turn's reasoning: templates drop it
+                continue
+            if item.type == "function_call":
+                call = _call_message(i, item)
+                last = messages[-1] if messages else {}
+                if last.get("role") == "assistant" and last.get("tool_calls"):
+                    last["tool_calls"] += call["tool_calls"]  # parallel calls: one turn
+                else:
+                    messages.append(call)
+                continue
+            if item.type == "function_call_output":
+                if item.call_id is None:
+                    raise ApiError(400, f"input[{i}]: a function_call_output item needs "
+                                   "call_id", f"input[{i}].call_id")  # fmt: skip
+                messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                 "content": _content(i, item.output)})  # fmt: skip
+                continue
             if item.type != "message" or item.role is None:
                 raise ApiError(400, f"input[{i}]: items of type {item.type!r} are not "
-                               "supported (messages only)", f"input[{i}].type")  # fmt: skip
+                               "supported (messages, function_call, function_call_output, "
+                               "reasoning)", f"input[{i}].type")  # fmt: skip
             messages.append({"role": item.role, "content": _content(i, item.content)})
     if not messages:
         raise ApiError(400, "input must not be empty", "input")
     return ChatCompletionRequest.model_validate({
         "model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p,
-        "response_format": _response_format(body)})  # fmt: skip
+        "response_format": _response_format(body), **_tools(body)})  # fmt: skip
 
 
 def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
@@ -144,12 +199,11 @@ class _Response:
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
 
-    def message(self, text: str, status: str) -> dict[str, Any]:
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status,
-                "content": [part]}  # fmt: skip
-
-    def obj(self, status: str, result: RequestResult | None = None) -> dict[str, Any]:
+    def obj(
+        self, status: str, result: RequestResult | None = None, items: list | None = None
+    ) -> dict[str, Any]:
+        """`items`: the output items (the answer's parts); `result`'s text as one message
+        when not given."""
         b = self.body
         out: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created_at,
@@ -157,13 +211,18 @@ class _Response:
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
             "temperature": b.temperature, "top_p": b.top_p, "error": None,
             "incomplete_details": None, "metadata": b.metadata or {}, "store": False,
-            "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+            "parallel_tool_calls": False, "tool_choice": b.tool_choice or "auto",
+            "tools": b.tools or [],
             "previous_response_id": None, "text": self.body.text or {"format": {"type": "text"}},
             "truncation": "disabled", "usage": None}  # fmt: skip
         if result is not None:
             item_status = "completed" if status == "completed" else "incomplete"
-            out["output"] = [self.message(result.text, item_status)]
-            out["output_text"] = result.text
+            if items is None:
+                items = [message_item(self.item_id, result.text, item_status)]
+            out["output"] = items
+            out["output_text"] = "".join(
+                p["text"] for i in items if i["type"] == "message" for p in i["content"]
+            )
             if status == "incomplete":
                 out["incomplete_details"] = {"reason": "max_output_tokens"}
             prompt, output = result.prompt_tokens, len(result.tokens)
@@ -198,16 +257,22 @@ def add_responses_routes(
         except Refused as e:
             raise _renamed(from_refusal(e, "max_tokens", PARAM_FIELDS, "input")) from None
         reply = _Response(body, backend.model_name)
+        tools = chat_tools(chat)
         if body.stream:
-            return event_stream(_stream(gen, reply))
+            return event_stream(_stream(gen, reply, tools))
         result = await gen.result()
         if result is None:
             return JSONResponse(error_body(499, "the client disconnected"), 499)
         if result.error:
             raise failure(result)
-        return JSONResponse(reply.obj(_status(result), result))
+        status = _status(result)
+        content, reasoning, calls = split_answer(backend.tokenizer, result.text, tools,
+                                                 gen.job.prompt)  # fmt: skip
+        item_status = "completed" if status == "completed" else "incomplete"
+        items = output_items(reply.item_id, content, reasoning, calls, item_status)
+        return JSONResponse(reply.obj(status, result, items))
 
-    async def _stream(gen: Generation, reply: _Response):
+    async def _stream(gen: Generation, reply: _Response, tools: list | None):
         seq = 0
 
         def event(kind: str, **fields) -> str:
@@ -215,16 +280,14 @@ def add_responses_routes(
             seq += 1
             return _sse({"type": kind, "sequence_number": seq - 1, **fields})
 
-        where = {"item_id": reply.item_id, "output_index": 0, "content_index": 0}
         yield event("response.created", response=reply.obj("in_progress"))
         yield event("response.in_progress", response=reply.obj("in_progress"))
-        empty = reply.message("", "in_progress")
-        yield event("response.output_item.added", output_index=0,
-                    item={**empty, "content": []})  # fmt: skip
-        yield event("response.content_part.added", **where, part=empty["content"][0])
+        splitter = reply_stream(backend.tokenizer, tools, gen.job.prompt)
+        items = ItemStream(event, reply.item_id)
         async for piece in gen.pieces():
             if isinstance(piece, str):
-                yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
+                for e in items.add(splitter.add(piece) if splitter else [piece]):
+                    yield e
                 continue
             result = piece
             if result.error:
@@ -235,12 +298,11 @@ def add_responses_routes(
                 yield event("response.failed", response=failed)
                 return
             status = _status(result)
-            whole = reply.obj(status, result)
-            item = whole["output"][0]
-            yield event("response.output_text.done", **where, text=result.text, logprobs=[])
-            yield event("response.content_part.done", **where, part=item["content"][0])
-            yield event("response.output_item.done", output_index=0, item=item)
-            yield event(f"response.{status}", response=whole)
+            for e in items.add(splitter.finish() if splitter else []):
+                yield e
+            for e in items.finish("completed" if status == "completed" else "incomplete"):
+                yield e
+            yield event(f"response.{status}", response=reply.obj(status, result, items.items))
 
 
 def _renamed(err: ApiError) -> ApiError:
