@@ -25,7 +25,12 @@ from common.kv_format import KVFormat
 from common.kv_rows import KVRows
 from common.layer_range import LayerRange
 from common.layer_runner import LayerRunner
-from common.layer_sizes import compute_dtype, estimated_layer_bytes, loaded_layer_bytes
+from common.layer_sizes import (
+    compute_dtype,
+    estimated_layer_bytes,
+    layer_weight_bytes,
+    loaded_layer_bytes,
+)
 from common.model_config import load_model_config
 from common.model_parts import load_model_parts, run_layers
 from common.parts_weights import checkpoint_quantization
@@ -172,16 +177,27 @@ def test_greedy_tokens_equal_mlx_lms(checkpoints, family, recipe):
 
 
 def test_layer_bytes_the_planner_sees_are_the_quantized_ones(checkpoints):
-    """A worker's estimate from the safetensors headers (before it loads) equals what its
-    loaded layers hold, and is the quantized size, not the float one."""
-    for family, recipe in (("gpt_oss", "mxfp4"), ("gpt_oss", "openai"), ("qwen3", "mixed_3_6")):
+    """Each layer's bytes from the safetensors headers (what the planner splits by, before
+    anything loads) equal what that layer holds once loaded, layers of more bits in a mixed
+    checkpoint included, and are the quantized sizes, not the float ones."""
+    cases = [("gpt_oss", "mxfp4"), ("gpt_oss", "openai"), ("qwen3", "mixed_3_6"),
+             ("deepseek_v3", "mixed_3_6")]  # fmt: skip
+    for family, recipe in cases:
         path = checkpoints(family, recipe)
         config = load_model_config(path)
-        estimate = estimated_layer_bytes(config, compute_dtype(config))
-        parts = load_model_parts(path, LayerRange.full(config.num_layers), with_ends=False)
-        assert estimate == loaded_layer_bytes(parts), (family, recipe)
+        dtype = compute_dtype(config)
+        sizes = layer_weight_bytes(config, dtype)
+        loaded = [
+            loaded_layer_bytes(load_model_parts(path, LayerRange(i, i), with_ends=False))
+            for i in range(config.num_layers)
+        ]
+        assert list(sizes) == loaded, (family, recipe)
+        assert estimated_layer_bytes(config, dtype) == sum(loaded) // config.num_layers
         plain = load_model_config(checkpoints(family, "float"))
-        assert estimate < 0.6 * estimated_layer_bytes(plain, compute_dtype(plain))
+        float_sizes = layer_weight_bytes(plain, compute_dtype(plain))
+        assert all(q < 0.6 * f for q, f in zip(sizes, float_sizes, strict=True))
+        if recipe == "mixed_3_6" and family == "qwen3":
+            assert len(set(sizes)) > 1  # 6-bit v_proj/down_proj in some layers only
 
 
 def test_kv_bits_over_quantized_weights(checkpoints, tmp_path):
