@@ -504,7 +504,8 @@ class CoordinatorServer:
             per_token = kv_bytes_per_token(self.config, dtype, held, self.opts.kv)
             if self.local.group is not None:  # rank 0 of a group keeps its heads' share
                 per_token = self.local.group.member.ready["kv_bytes_per_token"]
-            budgets.append(int(host_info.memory()[1] * headroom) // per_token)
+            if per_token:  # layers of recurrent state alone keep no KV per token
+                budgets.append(int(host_info.memory()[1] * headroom) // per_token)
         return min(budgets) if budgets else None
 
     def _set_kv_budget(self) -> None:
