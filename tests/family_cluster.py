@@ -11,9 +11,15 @@ from pathlib import Path
 
 from common.generation_params import GenerationParams
 from common.tokenizer import Tokenizer
-from tests.checkpoints import mlx_lm_greedy
+from tests.checkpoints import SLIDING_WINDOW, mlx_lm_greedy
 from tests.cluster_harness import Proc, start_coordinator
 from wedlm_client.client import WedlmClient
+
+# 46 tokens: longer than the window and than the prefix cache's blocks of 16
+SYSTEM = "You are a careful robot that counts: one two three four five six seven eight nine ten. "
+QUESTIONS = ["what comes after five", "the quick brown fox", "she sells"]
+OTHERS = ["once upon a time there was a little robot", "def main(): return 1", "sea shore"]
+MAX_TOKENS = 16
 
 
 def encode_all(path: Path, texts: list[str]) -> list[list[int]]:
@@ -91,3 +97,23 @@ def coordinator_before(
         coord.stop()
         raise
     return coord, grpc
+
+
+def check_prefixes(grpc: str, path, cached: bool) -> None:
+    """The shared-prefix prompts (one twice, then the rest at once with other prompts):
+    each request's tokens are mlx-lm's for it alone; `cached`: the cluster's prefix cache
+    served the repeated and shared prefix, else none of it."""
+    shared = encode_all(path, [SYSTEM + q for q in QUESTIONS])
+    others = encode_all(path, OTHERS)
+    want = mlx_lm_tokens(path, shared + others, MAX_TOKENS)
+    prefix = len(encode_all(path, [SYSTEM])[0])
+    assert prefix > SLIDING_WINDOW
+    first, again = (at_once(grpc, shared[:1], MAX_TOKENS)[0] for _ in range(2))
+    assert first["tokens"] == again["tokens"] == want[0]
+    batched = at_once(grpc, shared[1:] + others, MAX_TOKENS)  # a batch of 5 requests
+    assert [r["tokens"] for r in batched] == want[1:]
+    hits = [again["cached_tokens"]] + [r["cached_tokens"] for r in batched[: len(shared) - 1]]
+    if cached:  # the blocks of 16 that the prefix fills, at least
+        assert all(h >= prefix // 16 * 16 for h in hits), hits
+    else:
+        assert all(r["cached_tokens"] == 0 for r in [first, again, *batched])

@@ -2,7 +2,9 @@
 group with one real worker (rank 1) over mlx.distributed's ring backend on 127.0.0.1, each
 member's layers split by mlx-lm's own `Model.shard` (gpt-oss: sliding windows, sinks and
 MoE experts; DeepSeek V3: MLA heads, a dense first layer, routed and shared experts).
-Requests at once: every request's greedy float32 tokens equal mlx-lm's `generate_step`.
+A repeated prompt, prompts sharing a prefix past the window (forked from the prefix cache
+inside the group) and requests at once: every request's greedy float32 tokens equal
+mlx-lm's `generate_step`.
 A family mlx-lm cannot shard is refused at start with one line when --tp asks for a group."""
 
 from __future__ import annotations
@@ -11,18 +13,12 @@ import pytest
 
 from tests.checkpoints import make_mlx_checkpoint
 from tests.cluster_harness import cluster_name, spawn, start_worker
-from tests.family_cluster import at_once, coordinator_before, encode_all, mlx_lm_tokens
+from tests.family_cluster import check_prefixes, coordinator_before
 from wedlm_client.client import WedlmClient
 
 pytestmark = pytest.mark.e2e
 # a lost member is found when a forward's collectives do not finish within this bound
 GROUP_ENV = {"WEDLM_GROUP_BOUND_S": "30"}
-PROMPTS = [
-    "once upon a time there was a little robot who liked to count",
-    "the quick brown fox",
-    "she sells sea shells by the sea shore",
-]
-MAX_TOKENS = 16
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
@@ -40,9 +36,7 @@ def test_tp2_group_matches_mlx_lm(family, tmp_path):
         assert member.group_leader == "coordinator" and member.info.group_rank == 1
         assert member.info.group_size == 2 and member.info.group_backend == "ring"
         assert "tensor group" in status.plan_note, status.plan_note
-        prompts = encode_all(path, PROMPTS)
-        got = [r["tokens"] for r in at_once(grpc, prompts, MAX_TOKENS)]
-        assert got == mlx_lm_tokens(path, prompts, MAX_TOKENS)
+        check_prefixes(grpc, path, cached=True)
     finally:
         for p in procs:
             p.stop()
