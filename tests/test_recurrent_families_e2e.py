@@ -1,0 +1,77 @@
+"""Hybrid families with recurrent state through 2 stages: a real coordinator (the first
+layers, embedding and head) and a real worker (the rest) on 127.0.0.1, prompts of
+different lengths at once (batched into micro-batches in flight). Each stage keeps the
+states of its own recurrent layers; every request's greedy tokens equal mlx-lm's own
+`generate_step`, and a mode that would take rows back is refused by the coordinator."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from common.generation_params import GenerationParams
+from common.tokenizer import Tokenizer
+from tests.checkpoints import make_mlx_checkpoint, mlx_lm_greedy
+from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from tests.test_recurrent_families import SPECS
+from wedlm_client.client import ClusterError, WedlmClient
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "once upon a time there was a little robot who liked to count",
+    "the quick brown fox",
+    "she sells sea shells by the sea shore",
+]
+MAX_TOKENS = 12
+
+
+def expected(path) -> list[list[int]]:
+    tok = Tokenizer(path)
+    return [mlx_lm_greedy(path, tok.encode(t), MAX_TOKENS, tok.stop_ids) for t in PROMPTS]
+
+
+def concurrent(address: str) -> list[list[int]]:
+    results: dict[int, list[int]] = {}
+    params = GenerationParams(mode="ar", max_tokens=MAX_TOKENS)
+
+    def one(i: int) -> None:
+        with WedlmClient(address, timeout=180) as client:
+            results[i] = client.generate(text=PROMPTS[i], params=params)["tokens"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    return [results[i] for i in range(len(PROMPTS))]
+
+
+# layer 0 (recurrent) on the coordinator; the worker holds 1-3: attention, then a state
+# layer, then Qwen3-Next's attention / Nemotron-H's cacheless MLP layer
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_two_stages_match_mlx_lm(family, tmp_path):
+    path = make_mlx_checkpoint(tmp_path / family, family, seed=3, spec=SPECS[family])
+    name = cluster_name()
+    worker, address = start_worker(path, name, "--no-bonjour", "--layers", "1-3")
+    procs = [worker]
+    try:
+        coord, grpc_address = start_coordinator(
+            path, name, "--no-bonjour", "--expect", "1", "--worker", address,
+            "--layers", "0-0", "--micro-batches", "2",
+        )  # fmt: skip
+        procs.append(coord)
+        coord.expect("serving")
+        assert concurrent(grpc_address) == expected(path)
+        with (
+            WedlmClient(grpc_address, timeout=60) as client,
+            pytest.raises(ClusterError) as refused,
+        ):
+            client.generate(text=PROMPTS[1], params=GenerationParams(mode="wedlm"))
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"mode wedlm is not served for {family}" in str(refused.value)
+    finally:
+        for p in procs:
+            p.stop()
