@@ -135,7 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     where = gen.add_mutually_exclusive_group(required=True)
-    where.add_argument("--model", help="run locally on a model folder, or 'default'")
+    where.add_argument(
+        "--model",
+        help="run locally on a model folder, a Hugging Face hub id (org/name), or 'default'",
+    )
     where.add_argument("--cluster", metavar="HOST:PORT", help="run on a cluster's coordinator")
     add_generation_flags(gen)
     gen.add_argument(

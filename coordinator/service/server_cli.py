@@ -246,7 +246,11 @@ def add_generate_command(sub) -> None:
     from wedlm_client.cli import add_generation_flags, add_tls_flags
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt on this machine")
-    gen.add_argument("--model", required=True, help="a model folder, or 'default'")
+    gen.add_argument(
+        "--model",
+        required=True,
+        help="a model folder, a Hugging Face hub id (org/name), or 'default'",
+    )
     add_generation_flags(gen)
     gen.add_argument(
         "--draft-model",
