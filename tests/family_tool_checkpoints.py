@@ -71,7 +71,8 @@ def scripted_checkpoint(
                                  vocab_size=BASE_VOCAB + ROOM, **overrides)  # fmt: skip
     _add_tokens(folder, special, plain)
     last = script_ids(folder, after)
-    chain = last[-1:] + script_ids(folder, script) + [_tokenizer_json(BASE_VOCAB)[1]["<|im_end|>"]]
+    end = _tokenizer_json(BASE_VOCAB)[1]["<|im_end|>"]
+    chain = last[-1:] + script_ids(folder, script) + [end]
     repeated = {t for t in chain[:-1] if chain[:-1].count(t) > 1}
     assert not repeated, f"the script repeats tokens {repeated}: a bigram cannot say it"
     weights = mx.load(str(folder / "model.safetensors"))
@@ -99,16 +100,17 @@ GLM_SPECIAL = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<
 GLM_PLAIN = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
              "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>"]  # fmt: skip
 GLM_WORDS = ["Sky?", "get_weather", "city", "Paris"]
+# (the words are passed with the plain markers: scripted_checkpoint(..., GLM_PLAIN + GLM_WORDS))
 GLM_REASONING = "Sky?"
 GLM_SCRIPT = (f"{GLM_REASONING}</think><tool_call>get_weather<arg_key>city</arg_key>"
               "<arg_value>Paris</arg_value></tool_call>")  # fmt: skip
 
 # gpt-oss's harmony control tokens (special in o200k_harmony) and a few whole words of
 # its vocabulary (so that the script's pieces are each said once); the answer: one call
-# in the commentary channel.
+# in the commentary channel (of a function without parameters: JSON's quotes would repeat).
 HARMONY_SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
                    "<|return|>", "<|call|>"]  # fmt: skip
-HARMONY_WORDS = ["assistant", "commentary", " to=functions.", "json", "get_time", '{"', "zone",
-                 '":"', "utc", '"}']  # fmt: skip
-HARMONY_SCRIPT = ('<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>'
-                  '{"zone":"utc"}<|call|>')  # fmt: skip
+HARMONY_WORDS = ["assistant", "commentary", " to=functions.", "json", "get_time"]
+HARMONY_SCRIPT = (
+    "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>"
+)

@@ -37,7 +37,7 @@ def _lit(text: str, syntax: ToolSyntax) -> str:
     return " ".join(pieces)
 
 
-def _value(schema: Any) -> str:
+def _value(schema: Any, syntax: ToolSyntax) -> str:
     """A parameter's value: free text for a string (one of its enum when given), JSON
     of its schema otherwise."""
     schema = schema if isinstance(schema, dict) else {}
@@ -45,7 +45,7 @@ def _value(schema: Any) -> str:
         "type" not in schema and all(isinstance(v, str) for v in schema.get("enum") or [1])
     ):
         if schema.get("enum"):
-            return "(" + " | ".join(json.dumps(str(v)) for v in schema["enum"]) + ")"
+            return "(" + " | ".join(_lit(str(v), syntax) for v in schema["enum"]) + ")"
         return _FREE_TEXT
     return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
 
@@ -67,7 +67,7 @@ def _call_rule(tool: dict[str, Any], syntax: ToolSyntax, i: int) -> list[str]:
         else:  # glm47
             opening, closing = f"<arg_key>{key}</arg_key><arg_value>", "</arg_value>"
         body = f"{_lit(opening, syntax)} v{i}_{j} {_lit(closing, syntax)}"
-        rules += [f"p{i}_{j}: {body}", f"v{i}_{j}: {_value(schema)}"]
+        rules += [f"p{i}_{j}: {body}", f"v{i}_{j}: {_value(schema, syntax)}"]
         parts.append(f"p{i}_{j}" + ("" if required else "?"))
     if syntax.format == "qwen3_coder":
         head, tail = _lit(f"\n<function={name}>\n", syntax), _lit("</function>\n", syntax)
