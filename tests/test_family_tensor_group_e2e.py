@@ -4,21 +4,30 @@ member's layers split by mlx-lm's own `Model.shard` (gpt-oss: sliding windows, s
 MoE experts; DeepSeek V3: MLA heads, a dense first layer, routed and shared experts).
 A repeated prompt, prompts sharing a prefix past the window (forked from the prefix cache
 inside the group) and requests at once: every request's greedy float32 tokens equal
-mlx-lm's `generate_step`.
+mlx-lm's `generate_step`, and still after the worker is killed mid-generation (the
+coordinator plans again alone and replays the streams).
 A family mlx-lm cannot shard is refused at start with one line when --tp asks for a group."""
 
 from __future__ import annotations
 
+import psutil
 import pytest
 
 from tests.checkpoints import make_mlx_checkpoint
 from tests.cluster_harness import cluster_name, spawn, start_worker
-from tests.family_cluster import check_prefixes, coordinator_before
+from tests.family_cluster import (
+    check_prefixes,
+    coordinator_before,
+    encode_all,
+    mlx_lm_tokens,
+    streams_with_fault,
+)
 from wedlm_client.client import WedlmClient
 
 pytestmark = pytest.mark.e2e
 # a lost member is found when a forward's collectives do not finish within this bound
-GROUP_ENV = {"WEDLM_GROUP_BOUND_S": "30"}
+GROUP_ENV = {"WEDLM_GROUP_BOUND_S": "10"}
+STREAMS = [f"stream {i} says {w}" for i, w in enumerate("abcd")]
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
@@ -37,6 +46,17 @@ def test_tp2_group_matches_mlx_lm(family, tmp_path):
         assert member.info.group_size == 2 and member.info.group_backend == "ring"
         assert "tensor group" in status.plan_note, status.plan_note
         check_prefixes(grpc, path, cached=True)
+        # the member's machine is lost mid-generation (its worker and its group process):
+        # the coordinator plans again alone and replays every stream
+        machine = psutil.Process(worker.popen.pid)
+        lost = [machine, *machine.children(recursive=True)]
+        prompts = encode_all(path, STREAMS)
+        got = streams_with_fault(grpc, prompts, 96, lambda: [p.kill() for p in lost])
+        assert got == mlx_lm_tokens(path, prompts, 96)
+        with WedlmClient(grpc) as client:
+            after = client.cluster_status()
+        assert after.local_layers == "0-3", after.local_layers
+        assert not [w for w in after.workers if w.health == "serving"]
     finally:
         for p in procs:
             p.stop()
