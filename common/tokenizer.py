@@ -43,6 +43,7 @@ HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>",
 
 # Instruct models end turns with these even when config.json names another EOS.
 _CHAT_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+_HARMONY_ENDS = ("<|return|>", "<|call|>")
 
 
 class Tokenizer:
@@ -66,8 +67,11 @@ class Tokenizer:
         self._hf = self._wrapper._tokenizer
         _keep_leading_space(self._wrapper)
         vocab = self._hf.get_vocab()
-        self.stop_ids = tuple(sorted({vocab[t] for t in _CHAT_STOP_TOKENS if t in vocab}))
         self.reply = self._reply_syntax()
+        # harmony ends a turn with <|return|> (the answer) or <|call|> (a tool call: the
+        # parser reads a call cut there), as gpt-oss's generation_config says
+        ends = _CHAT_STOP_TOKENS + (_HARMONY_ENDS if self.reply.harmony else ())
+        self.stop_ids = tuple(sorted({vocab[t] for t in ends if t in vocab}))
         # Special tokens (EOS, chat markers) stay in token lists but not in displayed text,
         # except the reply's own markers (harmony's channels, a special <think>): the
         # answer's parser reads them; a stop token is still left out.

@@ -14,8 +14,9 @@ from common.harmony import HarmonyStream, parse_tool_call
 from common.tokenizer import Tokenizer
 from coordinator.engine.constrained import Grammars
 from coordinator.http_api.reply_parsing import Reasoning, ReplyStream, split_reply
+from coordinator.http_api.response_format import tool_choice_grammar
 from coordinator.http_api.tool_grammar import call_lark
-from tests.checkpoints import make_checkpoint, make_mlx_checkpoint
+from tests.checkpoints import TOOL_CHAT_TEMPLATE, make_checkpoint, make_mlx_checkpoint
 from tests.family_chat_templates import GLM47, GPT_OSS, QWEN3_CODER
 from tests.family_tool_checkpoints import (
     GLM_PLAIN,
@@ -73,6 +74,8 @@ def test_the_format_is_read_from_the_checkpoint(toks):
     # harmony's control tokens are special, yet kept in the text its parser reads
     ids = toks["harmony"].encode("<|channel|>final<|message|>hi<|end|>")
     assert toks["harmony"].text(ids) == "<|channel|>final<|message|>hi<|end|>"
+    vocab = toks["harmony"].vocabulary()  # and a turn ends at <|return|> or <|call|>
+    assert {vocab["<|return|>"], vocab["<|call|>"]} <= set(toks["harmony"].stop_ids)
 
 
 @pytest.mark.parametrize(
@@ -141,6 +144,8 @@ def test_tool_choice_grammar_writes_the_family_markup(toks, name, call):
     grammars.check(grammar)
     matcher = grammars.matcher(grammar)
     ids = tok.encode(call)
+    if ids[-1] in tok.stop_ids:  # harmony's <|call|> ends the turn: the stop, not the grammar
+        ids = ids[:-1]
     assert matcher.validate_tokens(ids) == len(ids)  # the family's own call is accepted
     matcher.consume_tokens(ids)
     assert matcher.is_accepting()
@@ -148,3 +153,20 @@ def test_tool_choice_grammar_writes_the_family_markup(toks, name, call):
     # and nothing else: another function's name is refused at its first token
     other = tok.encode(call.replace("get_weather", "get_time"))
     assert grammars.matcher(grammar).validate_tokens(other) < len(other)
+
+
+def test_json_tools_grammar_names_added_markers(tmp_path):
+    """Qwen's <tool_call> is an added token in its real tokenizer: tool_choice required
+    names it by id (llguidance matches no added token's text)."""
+    folder = make_checkpoint(tmp_path, "qwen2", chat_template=TOOL_CHAT_TEMPLATE, vocab_size=352)
+    _add_tokens(folder, [], ["<tool_call>", "</tool_call>"])
+    tok = Tokenizer(folder)
+    grammars = Grammars(tok, 352, tok.stop_ids)
+    grammar = tool_choice_grammar("required", [WEATHER], tok.reply.tools, grammars)
+    call = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","days":2}}\n</tool_call>'
+    ids = tok.encode(call)
+    assert ids[0] == tok.vocabulary()["<tool_call>"]
+    matcher = grammars.matcher(grammar)
+    assert matcher.validate_tokens(ids) == len(ids)
+    matcher.consume_tokens(ids)
+    assert matcher.is_accepting()

@@ -121,6 +121,12 @@ def test_anthropic_messages_whole_and_streamed(served):
             assert message.content[0].thinking == served["reasoning"]
         use = message.content[-1]
         assert (use.name, use.input) == (tool["name"], served["arguments"])
+    # the next turn sends the answer back (thinking block included) with the tool's result
+    turn = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in whole.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                          "content": "sunny, 21 degrees"}]}]  # fmt: skip
+    again = client.messages.create(**{**args, "messages": turn})
+    assert again.usage.input_tokens > whole.usage.input_tokens + 4  # the result is in
 
 
 def test_ollama_chat_whole_and_streamed(served):

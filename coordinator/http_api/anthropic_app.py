@@ -142,6 +142,8 @@ def to_openai(body: CountRequest, max_tokens: int | None = None) -> ChatCompleti
             elif b.type == "tool_use" and m.role == "assistant" and b.name:
                 calls.append({"id": b.id, "type": "function", "function": {
                     "name": b.name, "arguments": json.dumps(b.input or {})}})  # fmt: skip
+            elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # a past turn's reasoning, sent back: templates render turns without it
             elif b.type == "tool_result" and m.role == "user":
                 messages.append({"role": "tool", "tool_call_id": b.tool_use_id,
                                  "content": _tool_result_text(b)})  # fmt: skip

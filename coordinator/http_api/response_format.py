@@ -15,6 +15,7 @@ from common.errors import InvalidRequest
 from common.tokenizer import ToolSyntax
 from coordinator.engine.constrained import Grammars
 from coordinator.http_api.api_errors import ApiError
+from coordinator.http_api.tool_grammar import call_lark, marker_lark
 
 # Compact JSON: a grammar that allows any whitespace lets a weak model pad forever.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -79,9 +80,7 @@ def tool_choice_grammar(
         chosen = [t for t in tools if t["function"]["name"] == name]
         if not chosen:
             raise ApiError(400, f"tool_choice: no tool named {name!r} in tools", "tool_choice")
-    if not syntax.parse.__module__.endswith("json_tools"):
-        from coordinator.http_api.tool_grammar import call_lark  # the other formats
-
+    if not syntax.parse.__module__.endswith("json_tools"):  # the other formats
         stops = getattr(grammars, "_stop_ids", ())  # the model's stop tokens
         if (other := call_lark(chosen, syntax, stops)) is not None:
             return _checked(grammars, other, "tool_choice")
@@ -103,7 +102,8 @@ def tool_choice_grammar(
     ]
     schema = {"anyOf": calls, "x-guidance": JSON_OPTIONS}
     lark = (
-        f"start: {json.dumps(syntax.start + chr(10))} call {json.dumps(chr(10) + syntax.end)}\n"
+        f"start: {marker_lark(syntax.start + chr(10), syntax)} call "
+        f"{marker_lark(chr(10) + syntax.end, syntax)}\n"
         f"call: %json {json.dumps(schema)}\n"
     )
     return _checked(grammars, llguidance.LLMatcher.grammar_from_lark(lark), "tool_choice")

@@ -19,7 +19,7 @@ _FREE_TEXT = r"/[^<\n]{1,80}/"
 FORMATS = ("qwen3_coder", "glm47", "harmony")
 
 
-def _lit(text: str, syntax: ToolSyntax) -> str:
+def marker_lark(text: str, syntax: ToolSyntax) -> str:
     """A marker in lark: an added token by its id (llguidance does not match an added
     token's text), other text quoted."""
     special = dict(syntax.added_tokens)
@@ -45,7 +45,7 @@ def _value(schema: Any, syntax: ToolSyntax) -> str:
         "type" not in schema and all(isinstance(v, str) for v in schema.get("enum") or [1])
     ):
         if schema.get("enum"):
-            return "(" + " | ".join(_lit(str(v), syntax) for v in schema["enum"]) + ")"
+            return "(" + " | ".join(marker_lark(str(v), syntax) for v in schema["enum"]) + ")"
         return _FREE_TEXT
     return "%json " + json.dumps({**schema, "x-guidance": _JSON_OPTIONS})
 
@@ -66,13 +66,14 @@ def _call_rule(tool: dict[str, Any], syntax: ToolSyntax, i: int) -> list[str]:
             opening, closing = f"<parameter={key}>\n", "\n</parameter>\n"
         else:  # glm47
             opening, closing = f"<arg_key>{key}</arg_key><arg_value>", "</arg_value>"
-        body = f"{_lit(opening, syntax)} v{i}_{j} {_lit(closing, syntax)}"
+        body = f"{marker_lark(opening, syntax)} v{i}_{j} {marker_lark(closing, syntax)}"
         rules += [f"p{i}_{j}: {body}", f"v{i}_{j}: {_value(schema, syntax)}"]
         parts.append(f"p{i}_{j}" + ("" if required else "?"))
     if syntax.format == "qwen3_coder":
-        head, tail = _lit(f"\n<function={name}>\n", syntax), _lit("</function>\n", syntax)
+        head = marker_lark(f"\n<function={name}>\n", syntax)
+        tail = marker_lark("</function>\n", syntax)
     else:
-        head, tail = _lit(name, syntax), ""
+        head, tail = marker_lark(name, syntax), ""
     rules.append(f"call{i}: {head} {' '.join(parts)} {tail}".rstrip())
     return rules
 
@@ -90,8 +91,8 @@ def call_lark(
             params = tool["function"].get("parameters") or {"type": "object"}
             head = f"<|channel|>commentary to=functions.{tool['function']['name']} " \
                    "<|constrain|>json<|message|>"  # fmt: skip
-            end = "" if stop else " " + _lit(syntax.end, syntax)
-            calls.append(f"call{i}: {_lit(head, syntax)} args{i}{end}")
+            end = "" if stop else " " + marker_lark(syntax.end, syntax)
+            calls.append(f"call{i}: {marker_lark(head, syntax)} args{i}{end}")
             calls.append(f"args{i}: %json {json.dumps({**params, 'x-guidance': _JSON_OPTIONS})}")
         alternatives = " | ".join(f"call{i}" for i in range(len(chosen)))
         return "\n".join([f"start: {alternatives}", *calls]) + "\n"
@@ -99,5 +100,6 @@ def call_lark(
         return None
     rules = [r for i, tool in enumerate(chosen) for r in _call_rule(tool, syntax, i)]
     alternatives = " | ".join(f"call{i}" for i in range(len(chosen)))
-    start = f"start: {_lit(syntax.start, syntax)} ({alternatives}) {_lit(syntax.end, syntax)}"
+    opening, closing = marker_lark(syntax.start, syntax), marker_lark(syntax.end, syntax)
+    start = f"start: {opening} ({alternatives}) {closing}"
     return "\n".join([start, *rules]) + "\n"
