@@ -2,10 +2,14 @@
 layers, embedding and head) and a real worker (the rest) on 127.0.0.1, prompts of
 different lengths at once (batched into micro-batches in flight). Each stage keeps the
 states of its own recurrent layers; every request's greedy tokens equal mlx-lm's own
-`generate_step`, and a mode that would take rows back is refused by the coordinator."""
+`generate_step`; a conversation's next turn forks its whole cached state on both stages;
+a mode that would take rows back is refused by the coordinator; a worker killed
+mid-generation is replayed on the others."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 
 import grpc
@@ -15,6 +19,7 @@ from common.generation_params import GenerationParams
 from common.tokenizer import Tokenizer
 from tests.checkpoints import make_mlx_checkpoint, mlx_lm_greedy
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from tests.family_cluster import encode_all, mlx_lm_tokens, streams_with_fault
 from tests.test_recurrent_families import SPECS
 from wedlm_client.client import ClusterError, WedlmClient
 
@@ -26,6 +31,8 @@ PROMPTS = [
     "she sells sea shells by the sea shore",
 ]
 MAX_TOKENS = 12
+STREAMS = [f"stream {i} says {w}" for i, w in enumerate("abcd")]
+STREAM_TOKENS = 96
 
 
 def expected(path) -> list[list[int]]:
@@ -64,7 +71,15 @@ def test_two_stages_match_mlx_lm(family, tmp_path):
         )  # fmt: skip
         procs.append(coord)
         coord.expect("serving")
-        assert concurrent(grpc_address) == expected(path)
+        got = concurrent(grpc_address)
+        assert got == expected(path)
+        # the next turn of the first conversation forks its whole entry on both stages
+        tok = Tokenizer(path)
+        turn = tok.encode(PROMPTS[0]) + got[0] + tok.encode(" and then")
+        with WedlmClient(grpc_address, timeout=120) as client:
+            again = client.generate(ids=turn, params=GenerationParams(mode="ar", max_tokens=8))
+        assert again["cached_tokens"] >= len(turn) - len(tok.encode(" and then")) - 1
+        assert again["tokens"] == mlx_lm_greedy(path, turn, 8, tok.stop_ids)
         with (
             WedlmClient(grpc_address, timeout=60) as client,
             pytest.raises(ClusterError) as refused,
@@ -72,6 +87,33 @@ def test_two_stages_match_mlx_lm(family, tmp_path):
             client.generate(text=PROMPTS[1], params=GenerationParams(mode="wedlm"))
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert f"mode wedlm is not served for {family}" in str(refused.value)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_killed_worker_is_replayed(tmp_path):
+    """Three stages (the coordinator and two workers that take the layers they are
+    given); 4 AR streams at once; one worker killed mid-generation: the states of the
+    layers it held are rebuilt on the others from each stream's tokens."""
+    # seed 5: no stream stops early (the fault must land mid-stream in all of them)
+    path = make_mlx_checkpoint(tmp_path / "m", "qwen3_next", seed=5, spec=SPECS["qwen3_next"])
+    name = cluster_name()
+    workers = [start_worker(path, name, "--no-bonjour") for _ in range(2)]
+    procs = [w for w, _ in workers]
+    try:
+        listed = [a for _, addr in workers for a in ("--worker", addr)]
+        coord, grpc_address = start_coordinator(
+            path, name, "--no-bonjour", *listed, "--expect", "2", "--micro-batches", "2"
+        )
+        procs.append(coord)
+        coord.expect("serving", timeout=240)
+        prompts = encode_all(path, STREAMS)
+        victim = workers[1][0].popen.pid
+        got = streams_with_fault(
+            grpc_address, prompts, STREAM_TOKENS, lambda: os.kill(victim, signal.SIGKILL)
+        )
+        assert got == mlx_lm_tokens(path, prompts, STREAM_TOKENS)
     finally:
         for p in procs:
             p.stop()
