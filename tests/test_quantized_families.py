@@ -334,3 +334,36 @@ def test_hugging_face_quantization_configs_load_as_mlx_lm_derives_them(checkpoin
     unfused = load_model_parts(path, fuse=False)
     assert quantization_of(unfused, unfused.checkpoint_name) == quantization_of(ref)
     np.testing.assert_allclose(logits(own, TOKENS), np.array(ref(TOKENS)), rtol=1e-5, atol=1e-5)
+
+
+def test_nvfp4_experts_keep_their_global_scales(checkpoints, tmp_path):
+    """NVFP4 switch layers with a per-expert tensor scale (mlx-lm's quantize_model with
+    global_scale): loaded as mlx-lm loads them, named in config.json or only found in the
+    weights (as a ModelOpt export leaves them). MLX runs global scales on GPUs only, so
+    here the modules and the scales are compared, not the forward."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load, load_model, quantize_model, save
+
+    src = checkpoints("gpt_oss", "float")
+    model, tokenizer, config = load(str(src), return_config=True, lazy=True)
+    model, config = quantize_model(model, config, None, None, mode="nvfp4", global_scale=True)
+    path = tmp_path / "nvfp4"
+    save(path, src, model, tokenizer, config)
+    experts = [k for k in config["quantization"] if ".experts." in k]
+    assert experts and all(config["quantization"][k]["global_scale"] for k in experts)
+    for named in (True, False):
+        if not named:  # only the weights say which layers hold a global scale
+            for k in experts:
+                del config["quantization"][k]
+            (path / "config.json").write_text(json.dumps(config))
+        ref, _ = load_model(path)
+        own = load_model_parts(path, fuse=False)
+        assert quantization_of(own, own.checkpoint_name) == quantization_of(ref)
+        ours = {
+            own.checkpoint_name(k): v
+            for k, v in tree_flatten(own.parameters())
+            if k.endswith("global_scale")
+        }
+        theirs = {k: v for k, v in tree_flatten(ref.parameters()) if k.endswith("global_scale")}
+        assert len(ours) == 3 * 4 and sorted(ours) == sorted(theirs)  # 3 per layer
+        assert all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
