@@ -1,5 +1,6 @@
-"""Hybrid families whose layers keep recurrent state (Qwen3-Next and Qwen3.5's gated
-delta-rule linear attention, Nemotron-H's Mamba-2), served by the single-process engine:
+"""Hybrid families whose layers keep recurrent state (Qwen3-Next's and Qwen3.5's gated
+delta-rule linear attention, dense and MoE; LFM2's short convolutions; Nemotron-H's
+Mamba-2), served by the single-process engine:
 greedy AR tokens equal mlx-lm's own `generate_step` (float32), alone, batched with a
 prompt of another length (a ragged prefill: padding must not enter a state), and from the
 prefix cache, which forks a state only at an entry's whole length. Modes that write rows
@@ -53,6 +54,38 @@ SPECS = {
         {"text_config": {**SMALL, **LINEAR, "model_type": "qwen3_5_text"}},
         False,
     ),
+    # Qwen3.5's MoE text model (routed experts and a shared one) in the same layout
+    "qwen3_5_moe": (
+        "Qwen3_5MoeForConditionalGeneration",
+        {
+            "text_config": {
+                **SMALL,
+                **LINEAR,
+                "model_type": "qwen3_5_moe_text",
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "shared_expert_intermediate_size": 32,
+                "moe_intermediate_size": 32,
+            }
+        },
+        False,
+    ),
+    # LFM2: short gated convolutions (a state of one array) between attention layers
+    "lfm2": (
+        "Lfm2ForCausalLM",
+        {
+            **SMALL,
+            "norm_eps": 1e-5,
+            "conv_bias": False,
+            "conv_L_cache": 3,
+            "block_dim": 64,
+            "block_multiple_of": 16,
+            "block_ffn_dim_multiplier": 1.0,
+            "block_auto_adjust_ff_dim": False,
+            "layer_types": ["conv", "full_attention"] * 2,
+        },
+        True,
+    ),
     # Mamba-2 layers (M), attention (*) and an MLP layer (-) that takes no cache
     "nemotron_h": (
         "NemotronHForCausalLM",
@@ -79,6 +112,8 @@ STATE = LayerCache(state=2)  # a layer of two state arrays (conv window, SSM/del
 KINDS = {
     "qwen3_next": (STATE, KV, STATE, KV),
     "qwen3_5": (STATE, KV, STATE, KV),
+    "qwen3_5_moe": (STATE, KV, STATE, KV),
+    "lfm2": (LayerCache(state=1), KV, LayerCache(state=1), KV),
     "nemotron_h": (STATE, KV, STATE, NO_CACHE),
 }
 PROMPTS = (
