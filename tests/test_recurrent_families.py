@@ -275,3 +275,16 @@ def test_a_stage_refuses_what_would_break_a_state(models):
         runner.forward(spec(2, 2, 4, [(2, 1, 2)]), hidden)
     mx.eval(runner.forward(spec(2, 4, 4, [(2, 1, 4)]), hidden))  # the whole state forks
     assert runner.store.length(2) == 8
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_prompts_prefilled_in_chunks_carry_their_states(models, family):
+    """Prompts of 12 and 4 tokens in chunks of 5 (ragged forwards: 5 and 4 rows, then 5
+    and a decode row): each chunk starts from the state the previous one left."""
+    path = models[family]
+    local = open_local_engine(path, num_rows=2)
+    local.engine.prefill_chunk = local.engine.scheduler.limits.prefill_chunk = 5
+    prompts = [local.tokenizer.encode(t) for t in PROMPTS]
+    assert len(prompts[0]) > 2 * 5
+    seqs = run(local, prompts)
+    assert [s.output for s in seqs] == [reference(path, p) for p in prompts]
