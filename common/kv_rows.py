@@ -244,10 +244,13 @@ class KVRows:
         self.state_groups = width_groups(widths, t)
         self.state_at = self.lengths + np.minimum(widths, t)
 
-    def sliding_mask(self, mask: mx.array | str | None, window: int | None) -> mx.array:
+    def sliding_mask(
+        self, mask: mx.array | str | None, window: int | None, chunk: int | None = None
+    ) -> mx.array:
         """`mask` (what `begin` returned) as an array, narrowed to a sliding window of
         `window` positions (None: no window): a query at position p sees keys
-        p-window+1..p only, as mlx-lm's RotatingKVCache layers do. This cache keeps every
+        p-window+1..p only, as mlx-lm's RotatingKVCache layers do. With `chunk`, keys of
+        p's own chunk only (Llama 4's ChunkedKVCache layers). This cache keeps every
         position; the mask hides the ones that slid out."""
         keys = mx.arange(self.span)[None, None, None, :]
         plain = mask is None or isinstance(mask, str)  # rows alike, plain causal
@@ -255,6 +258,8 @@ class KVRows:
         queries = mx.array(starts[:, None] + np.arange(self._width)[None, :], mx.int32)
         queries = queries[:, None, :, None]  # [B or 1, 1, T, 1]
         visible = keys <= queries if plain else mask
+        if chunk is not None:
+            visible = visible & ((queries // chunk) == (keys // chunk))
         return visible if window is None else visible & ((queries - keys) < window)
 
     def _bind(self, offset: mx.array) -> None:

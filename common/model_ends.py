@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from common.errors import CheckpointError
+from common.layer_calls import returned_tuple
 from common.model_families import LayerList
 
 
@@ -30,6 +31,19 @@ class _Slot:
     """A plain holder: an mx.array set on an nn.Module would become a parameter."""
 
     hidden: mx.array | None = None
+
+
+class _EndCache:
+    """What a family's forward reads of its caches before and after its layers (the start
+    offset, llama4's chunk trimming), for forwards that never reach a real layer: the
+    relay stands in for them, so nothing is ever stored here."""
+
+    offset = 0
+    start_position = 0
+    keys = values = None
+
+    def maybe_trim_front(self) -> None:
+        pass
 
 
 class _Relay(nn.Module):
@@ -47,10 +61,12 @@ class _Relay(nn.Module):
         except AttributeError:
             return getattr(object.__getattribute__(self, "_first"), name)
 
-    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> Any:
         if self.slot.hidden is None:
             raise _Captured(x)
-        return self.slot.hidden
+        # as the real layer returns it (Gemma 4's loop unpacks a tuple, hidden first)
+        size = returned_tuple(object.__getattribute__(self, "_first"))
+        return (self.slot.hidden, *([None] * (size - 1))) if size else self.slot.hidden
 
 
 class ModelEnds(nn.Module):
@@ -96,21 +112,43 @@ class ModelEnds(nn.Module):
             self._relay.slot.hidden = None
         return out.reshape(*hidden.shape[:-1], -1)
 
-    def probe(self, family: str, hidden_size: int) -> None:
-        """Run mlx-lm's ends once (a family whose code this cannot drive is refused at
-        load, not at the first request); take the direct calls when they agree."""
-        tokens = mx.array([[1, 2, 3]], dtype=mx.int32)
+    def _run_ends(self, tokens: mx.array, family: str | None = None):
+        """Embed and head once, evaluated. With `family`, a failure is refused."""
         try:
             x = self.embed(tokens)
             logits = self.head(x)
             mx.eval(x, logits)
         except CheckpointError:
             raise
-        except Exception as e:  # a family's own code failing on the relay: refuse it
-            raise CheckpointError(
-                f"mlx-lm's {family} model cannot be split at its layers by this engine: "
-                f"{type(e).__name__}: {e}"
-            ) from None
+        except Exception as e:
+            if family is None:
+                raise
+            self._refuse(family, e)
+        return x, logits
+
+    @staticmethod
+    def _refuse(family: str, e: Exception) -> None:
+        """A family's own code failing on the relay: refuse it in one line."""
+        raise CheckpointError(
+            f"mlx-lm's {family} model cannot be split at its layers by this engine: "
+            f"{type(e).__name__}: {e}"
+        ) from None
+
+    def probe(self, family: str, hidden_size: int) -> None:
+        """Run mlx-lm's ends once (a family whose code this cannot drive is refused at
+        load, not at the first request); take the direct calls when they agree."""
+        tokens = mx.array([[1, 2, 3]], dtype=mx.int32)
+        try:
+            x, logits = self._run_ends(tokens)
+        except (AttributeError, TypeError):
+            # a forward that reads its caches' offsets (ministral3, llama4): give it
+            # caches that answer, as mlx-lm's own would before the first token
+            object.__setattr__(self, "_caches", [_EndCache() for _ in self._caches])
+            x, logits = self._run_ends(tokens, family)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            self._refuse(family, e)
         if x.shape != (1, 3, hidden_size):
             raise CheckpointError(
                 f"mlx-lm's {family} model feeds its layers {tuple(x.shape)}, expected "

@@ -23,7 +23,6 @@ from common.errors import CheckpointError
 # Cache classes this engine does not hold, named in the refusal by what they hold.
 _STATE_NAMES = {
     "CacheList": "layers with several caches each (hybrid attention and recurrent state)",
-    "ChunkedKVCache": "chunked-attention layers",
     "ConcatenateKVCache": "layers whose cache is concatenated keys",
 }
 
@@ -103,6 +102,7 @@ class LayerCache:
     """What one layer keeps between forwards, as mlx-lm's make_cache() says."""
 
     window: int | None = None  # attention: its sliding window (None: full attention)
+    chunk: int | None = None  # attention in chunks of this many positions (Llama 4)
     state: int = 0  # recurrent: the arrays of its state (ArraysCache(size=n)); 0: none
     cached: bool = True  # False: the layer takes no cache (nemotron_h's MLP layers)
 
@@ -126,9 +126,12 @@ def layer_caches(model: nn.Module, family: str, num_layers: int) -> tuple[LayerC
     """Per layer, what it keeps (attention KV and its window, or recurrent state), from
     mlx-lm's caches: make_cache() when the family has one, else a KVCache per layer
     (mlx-lm's default)."""
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 
-    make = getattr(model, "make_cache", None)
+    # a multimodal wrapper may leave its text model's make_cache unexposed (mistral3)
+    make = getattr(model, "make_cache", None) or getattr(
+        model.get("language_model"), "make_cache", None
+    )
     if make is None:
         return (KV,) * num_layers
     try:
@@ -141,10 +144,12 @@ def layer_caches(model: nn.Module, family: str, num_layers: int) -> tuple[LayerC
             kinds.append(KV)
         elif type(cache) is RotatingKVCache and not cache.keep:
             kinds.append(LayerCache(window=int(cache.max_size)))
+        elif type(cache) is ChunkedKVCache:  # keys of the query's own chunk only
+            kinds.append(LayerCache(chunk=int(cache.chunk_size)))
         elif isinstance(cache, ArraysCache):  # MambaCache is an ArraysCache of 2
             kinds.append(LayerCache(state=len(cache.cache)))
         else:
-            kind = _STATE_NAMES.get(type(cache).__name__, f"layers with a {type(cache).__name__}")
+            kind = _cache_kind(cache)
             raise CheckpointError(
                 f"{family} has {kind}, which this engine cannot serve yet (it serves "
                 "attention layers, full or sliding-window, and recurrent state)"
@@ -161,6 +166,20 @@ def layer_caches(model: nn.Module, family: str, num_layers: int) -> tuple[LayerC
             "this engine cannot tell which layer each belongs to"
         )
     return tuple(kinds)
+
+
+def _cache_kind(cache: Any) -> str:
+    """What a layer cache the engine cannot hold keeps, in words for the refusal."""
+    from mlx_lm.models.cache import CacheList, KVCache
+
+    if isinstance(cache, CacheList) and all(type(c) is KVCache for c in cache.caches):
+        # DeepSeek V3.2 / GLM-5: the indexer's keys beside the latent KV, per layer
+        return (
+            "sparse attention (DSA: each layer keeps its indexer's keys in a second cache "
+            "beside its KV)"
+        )
+    name = type(cache).__name__
+    return _STATE_NAMES.get(name, f"layers with a {name}")
 
 
 def layer_windows(model: nn.Module, family: str, num_layers: int) -> tuple[int | None, ...]:

@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from common import fused_projections, model_families, small_query_attention
+from common import fused_projections, layer_calls, model_families, small_query_attention
 from common.checkpoint_weights import load_tensors, split_layer_key
 from common.errors import CheckpointError
 from common.kv_rows import KVRows
@@ -56,14 +56,17 @@ class ModelParts(nn.Module):
         self.array_mask = model_families.wants_array_mask(found.owner)
         blocks = found.layers
         self.layers = [blocks[i] for i in layer_range] if layer_range else []
+        layer_calls.adapt_layers(self.layers, family)  # called as (x, mask, cache=)
         for layer in self.layers:
             model_families.check_layer_call(layer, family)
         caches = tuple(all_caches[i] for i in layer_range) if layer_range else ()
         object.__setattr__(self, "caches", caches)  # plain attributes, not children
         object.__setattr__(self, "windows", tuple(c.window for c in caches))
-        # any layer of the model (not only these) attends through a sliding window, or
-        # keeps recurrent state: what the engine's decoding modes ask of the whole model
-        object.__setattr__(self, "sliding", any(c.window is not None for c in all_caches))
+        # any layer of the model (not only these) attends through a sliding window (or in
+        # chunks: a mask that counts positions too), or keeps recurrent state: what the
+        # engine's decoding modes ask of the whole model
+        positional = any(c.window is not None or c.chunk is not None for c in all_caches)
+        object.__setattr__(self, "sliding", positional)
         object.__setattr__(self, "recurrent", any(c.recurrent for c in all_caches))
         if with_ends:
             self.ends = ModelEnds(full, found)
@@ -185,7 +188,7 @@ def run_layers(
     caches = getattr(parts, "caches", None) or tuple(
         model_families.LayerCache(window=w) for w in getattr(parts, "windows", ())
     )  # a stand-in may name its windows only
-    masks: dict[int | None, mx.array | str | None] = {None: mask}
+    masks: dict[tuple[int | None, int | None], mx.array | str | None] = {(None, None): mask}
     for i, (layer, cache) in enumerate(zip(parts.layers, kv.layers, strict=True), 1):
         kind = caches[i - 1] if caches else model_families.KV
         if kind.recurrent:
@@ -193,9 +196,10 @@ def run_layers(
         elif not kind.cached:  # no cache and no attention (nemotron_h's MLP layers)
             hidden = layer(hidden, None, cache=None)
         else:
-            if kind.window not in masks:
-                masks[kind.window] = kv.sliding_mask(mask, kind.window)
-            hidden = layer(hidden, masks[kind.window], cache=cache)
+            key = (kind.window, kind.chunk)
+            if key not in masks:
+                masks[key] = kv.sliding_mask(mask, kind.window, kind.chunk)
+            hidden = layer(hidden, masks[key], cache=cache)
         if LAUNCH_EVERY and i % LAUNCH_EVERY == 0 and i < len(parts.layers):
             # Start the device on the layers built so far: the host builds the rest of
             # the graph while they run, instead of the device waiting for all of it.

@@ -349,6 +349,27 @@ _KIMI_K2: dict[str, Any] = {
         "mscale_all_dim": 1.0,
     },
 }
+_MINISTRAL3: dict[str, Any] = {
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "llama_4_scaling_beta": 0.1,
+        "original_max_position_embeddings": SLIDING_WINDOW,
+    },
+    "sliding_window": SLIDING_WINDOW,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "tie_word_embeddings": False,
+}
+_GEMMA4: dict[str, Any] = {
+    "model_type": "gemma4_text",
+    "global_head_dim": 32,
+    "num_kv_shared_layers": 0,
+    "hidden_size_per_layer_input": 0,
+    "sliding_window": SLIDING_WINDOW,
+    "sliding_window_pattern": 2,
+    "use_double_wide_mlp": False,
+    "vocab_size_per_layer_input": 512,
+}
 # key -> (architectures, extra config fields, tied head); the key is the model_type
 # unless the fields name one (a second config of one family)
 MLX_FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
@@ -483,10 +504,80 @@ MLX_FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
         {"text_config": {"model_type": "mistral", "tie_word_embeddings": False}},
         False,
     ),
+    # Ministral 3: sliding and full layers, a query scale that grows with the position
+    # past original_max_position_embeddings (8 here: the prompts cross it)
+    "ministral3": ("Ministral3ForCausalLM", _MINISTRAL3, False),
+    # Mistral 3 as the hub ships Ministral 3: the multimodal layout, ministral3 text model
+    "mistral3_ministral3": (
+        "Mistral3ForConditionalGeneration",
+        {"model_type": "mistral3", "text_config": {"model_type": "ministral3", **_MINISTRAL3}},
+        False,
+    ),
+    # Gemma 4 (31B's shape): sliding layers, global layers of wider heads, logit soft-cap
+    "gemma4_text": ("Gemma4ForCausalLM", _GEMMA4, False),
+    # Gemma 4 26B-A4B's shape: an MoE block beside the MLP, keys that are the values on
+    # global layers (attention_k_eq_v), in the multimodal layout
+    "gemma4": (
+        "Gemma4ForConditionalGeneration",
+        {
+            "text_config": {
+                **_GEMMA4,
+                "enable_moe_block": True,
+                "num_experts": 4,
+                "top_k_experts": 2,
+                "moe_intermediate_size": 32,
+                "attention_k_eq_v": True,
+                "num_global_key_value_heads": 1,
+            }
+        },
+        False,
+    ),
+    # Llama 4: chunked attention on three layers of four (chunks of 8), MoE every second
+    "llama4": (
+        "Llama4ForConditionalGeneration",
+        {
+            "text_config": {
+                "model_type": "llama4_text",
+                "attention_bias": False,
+                "attention_chunk_size": SLIDING_WINDOW,
+                "interleave_moe_layer_step": 2,
+                "intermediate_size_mlp": 128,
+                "num_experts_per_tok": 1,
+                "num_local_experts": 4,
+                "rope_scaling": None,
+                "use_qk_norm": True,
+            }
+        },
+        False,
+    ),
     # Llama 4's text model alone: q/k norms, RoPE skipped on every fourth layer
     "llama4_text": (
         "Llama4ForCausalLM",
         {"intermediate_size_mlp": 128, "no_rope_layers": [1, 1, 1, 0], "use_qk_norm": True},
+        False,
+    ),
+}
+
+
+# Families mlx-lm has that the engine refuses at load, each with a tiny config that mlx-lm
+# builds: DeepSeek V3.2 and GLM-5's sparse attention (DSA) keeps an indexer's keys in a
+# second cache per layer, which the engine's per-row KV has no room for.
+_DSA: dict[str, Any] = {
+    **_DEEPSEEK_V3,
+    "index_head_dim": 16,
+    "index_n_heads": 2,
+    "index_topk": 8,
+    "moe_layer_freq": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "attention_bias": False,
+}
+REFUSED_FAMILIES: dict[str, tuple[str, dict[str, Any], bool]] = {
+    "deepseek_v32": ("DeepseekV32ForCausalLM", _DSA, False),
+    "glm_moe_dsa": (
+        "GlmMoeDsaForCausalLM",
+        {**_DSA, "rope_parameters": {"rope_theta": 10000.0}, "indexer_rope_interleave": True},
         False,
     ),
 }
@@ -539,6 +630,8 @@ def make_mlx_checkpoint(
     if "text_config" in extra:  # a multimodal layout: the sizes are the text model's
         text = {**_MLX_BASE, **extra["text_config"], **config_overrides}
         fields = {"text_config": text, "vocab_size": text["vocab_size"], "torch_dtype": "float32"}
+        if "model_type" in extra:  # a second config of one family, named by its key
+            fields["model_type"] = extra["model_type"]
     ids = _write_tokenizer(out_dir, fields["vocab_size"], chat_template)
     fields.update(
         bos_token_id=ids["<|endoftext|>"],
@@ -552,7 +645,9 @@ def make_mlx_checkpoint(
     params = dict(tree_flatten(model.parameters()))
     if tied:
         params.pop("lm_head.weight", None)
-    weights = _mlx_reinit(params, seed, 0.0 if model_type.startswith("gemma") else 1.0)
+    # Gemma 2 and 3 scale by 1 + w; Gemma 4 by w, as most families do
+    one_plus_w = config["model_type"] in ("gemma", "gemma2", "gemma3", "gemma3_text")
+    weights = _mlx_reinit(params, seed, 0.0 if one_plus_w else 1.0)
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     gen = {

@@ -13,14 +13,21 @@ from common.generation_params import GenerationParams
 from common.model_parts import load_model_parts
 from coordinator.engine.local_engine import open_local_engine
 from coordinator.engine.prefix_cache import PrefixCache
-from tests.checkpoints import MLX_FAMILIES, SLIDING_WINDOW, make_mlx_checkpoint, mlx_lm_greedy
+from tests.checkpoints import (
+    MLX_FAMILIES,
+    REFUSED_FAMILIES,
+    SLIDING_WINDOW,
+    make_mlx_checkpoint,
+    mlx_lm_greedy,
+)
 
 FAMILIES = list(MLX_FAMILIES)
 # random weights whose greedy tokens repeat one token (a tied head with soft-capping):
 # their logits are compared instead (test_logits_match_mlx_lm)
 REPEATING = {"gemma2"}
 GREEDY = [f for f in FAMILIES if f not in REPEATING]
-MAIN = ["gpt_oss", "gemma3_text", "gemma3", "glm4"]  # batched and prefix-cache runs
+# batched and prefix-cache runs
+MAIN = ["gpt_oss", "gemma3_text", "gemma3", "glm4", "mistral3_ministral3", "gemma4", "llama4"]
 PROMPTS = (
     "once upon a time there was a little robot who liked to count",
     "the quick brown fox",
@@ -33,11 +40,17 @@ WINDOWS = {
     "gemma3_text": (SLIDING_WINDOW, None) * 2,
     "gemma3": (SLIDING_WINDOW, None) * 2,
     "cohere2": (SLIDING_WINDOW, None) * 2,
+    "ministral3": (SLIDING_WINDOW, None) * 2,
+    "mistral3_ministral3": (SLIDING_WINDOW, None) * 2,
+    "gemma4_text": (SLIDING_WINDOW, None) * 2,
+    "gemma4": (SLIDING_WINDOW, None) * 2,
 }
+# per family: each layer's attention chunk (Llama 4's ChunkedKVCache layers)
+CHUNKS = {"llama4": (SLIDING_WINDOW,) * 3 + (None,)}
 
 
 # a seed whose random weights do not repeat one token (a tied head tends to)
-SEEDS = {"cohere2": 4}
+SEEDS = {"cohere2": 4, "gemma4_text": 4}
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +71,11 @@ def engine(path: Path, rows: int = 1, cached: bool = False):
 
 
 def reference(path: Path, text: str) -> list[int]:
+    """mlx-lm's greedy tokens, up to a token the engine stops at (the end tokens its
+    tokenizer names too)."""
     local = engine(path)
     prompt = local.tokenizer.encode(text)
-    return mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
+    return mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.model_stop_ids)
 
 
 def run(local, prompts: list[list[int]]):
@@ -75,9 +90,11 @@ def test_one_process_matches_mlx_lm(models, family):
     path = models[family]
     local = engine(path)
     assert local.engine.parts.windows == WINDOWS.get(family, (None,) * 4)
+    chunks = tuple(c.chunk for c in local.engine.parts.caches)
+    assert chunks == CHUNKS.get(family, (None,) * 4)
     for text in PROMPTS:
         prompt = local.tokenizer.encode(text)
-        if text == PROMPTS[0] and family in WINDOWS:
+        if text == PROMPTS[0] and (family in WINDOWS or family in CHUNKS):
             assert len(prompt) > SLIDING_WINDOW  # the prompt alone crosses the window
         want = reference(path, text)
         assert len(set(want)) > 2, "degenerate random model: the test would prove little"
@@ -98,7 +115,7 @@ def test_a_repeated_prompt_from_the_prefix_cache(models, family):
     path = models[family]
     local = engine(path, cached=True)
     prompt = local.tokenizer.encode(PROMPTS[0] + " and then some more words to cache")
-    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
+    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.model_stop_ids)
     first = run(local, [prompt])[0]
     again = run(local, [prompt])[0]
     assert again.cached_tokens > SLIDING_WINDOW  # the cached rows cross the window too
@@ -150,9 +167,39 @@ def test_the_window_mask_is_what_makes_them_equal(models, monkeypatch):
 
     path = models["gpt_oss"]
     want = reference(path, PROMPTS[0])
-    monkeypatch.setattr(KVRows, "sliding_mask", lambda self, mask, window: mask)
+    monkeypatch.setattr(KVRows, "sliding_mask", lambda self, mask, window, chunk=None: mask)
     local = open_local_engine(path)
     assert run(local, [local.tokenizer.encode(PROMPTS[0])])[0].output != want
+
+
+def test_the_chunk_mask_is_what_makes_llama4_equal(models, monkeypatch):
+    """Without its chunk's mask a chunked layer sees every earlier position: the tokens
+    part from mlx-lm's, so the parity above depends on the chunks."""
+    from common.kv_rows import KVRows
+
+    path = models["llama4"]
+    want = reference(path, PROMPTS[0])
+    plain = KVRows.sliding_mask
+    monkeypatch.setattr(KVRows, "sliding_mask", lambda self, m, w, c=None: plain(self, m, w))
+    local = open_local_engine(path)
+    assert run(local, [local.tokenizer.encode(PROMPTS[0])])[0].output != want
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"hidden_size_per_layer_input": 16}, "per-layer input embeddings"),
+        ({"num_kv_shared_layers": 2}, "makes 2 caches for 4 layers"),
+    ],
+)
+def test_gemma4_layouts_the_stages_cannot_carry_are_refused(fields, why, tmp_path):
+    """Gemma 4's small models (E2B/E4B) feed every layer an embedding of its own and share
+    KV across layers: refused at load in one line, not served wrong."""
+    from common.errors import CheckpointError
+
+    path = make_mlx_checkpoint(tmp_path / "g", "gemma4_text", **fields)
+    with pytest.raises(CheckpointError, match=why):
+        load_model_parts(path)
 
 
 def test_a_quantized_kv_cache_gpt_oss_cannot_use_is_refused_at_the_start(tmp_path):
@@ -183,7 +230,7 @@ def test_speculative_on_a_sliding_window_family_equals_ar(models, family):
     seq = local.engine.submit(prompt, spec)
     for _ in local.engine.stream([seq]):
         pass
-    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
+    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.model_stop_ids)
     assert seq.output == want and len(want) == MAX_TOKENS
     assert seq.drafted > 0  # drafts were written, verified and rolled back
 
@@ -196,3 +243,18 @@ def test_mode_wedlm_on_a_sliding_window_family_is_refused_with_why(models):
     with pytest.raises(InvalidRequest, match="mode wedlm is not served for gpt_oss: it has "):
         local.engine.submit(prompt, GenerationParams(mode="wedlm", max_tokens=4))
     assert local.engine.default_mode == "ar"  # mode auto decodes it with AR
+
+
+@pytest.mark.parametrize("family", list(REFUSED_FAMILIES))
+def test_sparse_attention_families_are_refused_at_load_with_why(family, tmp_path):
+    """DeepSeek V3.2 and GLM-5 (DSA): mlx-lm builds them, but each layer's indexer keeps
+    keys in a second cache the engine lacks: the start stops in one line naming both."""
+    from tests.test_family_refusals import assert_refused
+
+    path = make_mlx_checkpoint(tmp_path / family, family, spec=REFUSED_FAMILIES[family])
+    assert_refused(
+        path,
+        f"{family} has sparse attention (DSA: each layer keeps its indexer's keys",
+        "cannot serve yet",
+        str(path / "config.json"),
+    )
