@@ -92,10 +92,19 @@ def quantize_as_stored(
     `weights` are keyed by `parts`' own parameter names."""
     from mlx_lm.utils import _takes_global_scale, infer_quant_config
 
+    visited: list[str] = []  # nn.quantize quantizes each module right after asking
+
     def predicate(path: str, module: nn.Module) -> bool | dict:
         original = checkpoint_name(path)
+        visited.append(original)
         if original in quant:  # per-module override, as mlx-lm writes it
-            return quant[original]
+            setting = quant[original]
+            if not isinstance(setting, (bool, dict)):
+                raise CheckpointError(
+                    f"config.json: quantization's {original!r} is {setting!r}; expected a "
+                    "dict of group_size, bits and mode, or false"
+                )
+            return setting
         if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
             return False
         try:
@@ -106,7 +115,12 @@ def quantize_as_stored(
             params["global_scale"] = True
         return params
 
-    quantize_parts(parts, quant, predicate)
+    try:
+        quantize_parts(parts, quant, predicate)
+    except (ValueError, TypeError) as e:  # MLX's refusal of a mode, bits or group size
+        module = visited[-1] if visited else "the model"
+        setting = quant.get(module, {k: quant.get(k) for k in ("group_size", "bits", "mode")})
+        raise CheckpointError(f"config.json: quantization of {module} ({setting}): {e}") from None
 
 
 def quantize_parts(parts: nn.Module, quant: dict[str, Any], predicate) -> None:

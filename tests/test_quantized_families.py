@@ -247,6 +247,19 @@ def test_quantization_that_disagrees_with_the_weights_is_refused_in_one_line(che
     ):
         load_model_parts(bad)
 
+    for setting, said in (
+        ({"group_size": 64, "bits": 8, "mode": "fp3"}, r"Invalid quantization mode 'fp3'"),
+        ({"group_size": 64, "bits": 9}, r"bits 9 is not supported"),
+        ("eight", r"is 'eight'; expected a dict of group_size, bits and mode, or false"),
+    ):
+
+        def set_router(config, setting=setting):
+            config["quantization"][router] = setting
+
+        bad = _edited(path, tmp_path / f"router-{len(str(setting))}", set_router)
+        with pytest.raises(CheckpointError, match=rf"config\.json: quantization.*{said}"):
+            load_model_parts(bad)
+
     def awq(config):
         del config["quantization"]
         config["quantization_config"] = {"quant_method": "awq", "bits": 4}
