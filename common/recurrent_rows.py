@@ -135,3 +135,18 @@ def run_state_layer(layer, hidden: mx.array, state: LayerState | None, groups: G
                 whole[idx] = part
                 state.cache[i] = whole
     return out
+
+
+def state_bytes(layers: list, caches: tuple, hidden_size: int, dtype: mx.Dtype) -> int:
+    """Bytes one sequence's recurrent state takes in these layers, whatever its length
+    (a KV layer's cost grows per token instead: kv_format.bytes_per_token). Each
+    recurrent layer is called on one token; MLX only builds the graph, so the state's
+    shapes are known and nothing is computed."""
+    x = mx.zeros((1, 1, hidden_size), dtype)
+    total = 0
+    for layer, kind in zip(layers, caches, strict=True):
+        if kind.recurrent:
+            state = LayerState(kind.state)
+            layer(x, None, cache=state)
+            total += state.nbytes()
+    return total

@@ -288,3 +288,28 @@ def test_prompts_prefilled_in_chunks_carry_their_states(models, family):
     assert len(prompts[0]) > 2 * 5
     seqs = run(local, prompts)
     assert [s.output for s in seqs] == [reference(path, p) for p in prompts]
+
+
+def test_a_state_costs_fixed_bytes_per_sequence(models):
+    """What a sequence's recurrent state costs is read from the layers (no forward run)
+    and is what a stage holds for it after a prompt, long or short: Qwen3-Next's two
+    linear layers each keep a conv window of 3 x 128 channels and 4 heads of 16 x 16."""
+    import mlx.core as mx
+
+    from common.layer_runner import LayerRunner
+    from common.recurrent_rows import LayerState, state_bytes
+    from common.rows_spec import RowsSpec
+
+    parts = load_model_parts(models["qwen3_next"], with_ends=False)
+    per_layer = (3 * 128 + 4 * 16 * 16) * 4  # float32 on the CPU
+    assert state_bytes(parts.layers, parts.caches, 64, mx.float32) == 2 * per_layer
+    for width in (3, 9):
+        runner = LayerRunner(parts)
+        spec = RowsSpec(
+            [1], np.zeros(1, int), np.array([width]), np.ones((1, width), bool),
+            np.array([width]),
+        )  # fmt: skip
+        mx.eval(runner.forward(spec, mx.zeros((1, width, 64))))
+        held = [layer for b in runner.store.batches for layer in b.layers]
+        states = [layer for layer in held if isinstance(layer, LayerState)]
+        assert sum(s.nbytes() for s in states) == 2 * per_layer
