@@ -30,8 +30,15 @@ def checkpoint_quantization(raw: dict[str, Any], where: Path) -> dict[str, Any] 
     `quantization_config` (openai/gpt-oss's mxfp4 experts, mxfp8, fp8 in 32x32 blocks of
     power-of-two scales, compressed-tensors, NVIDIA ModelOpt's NVFP4, in config.json or
     in hf_quant_config.json beside it). `where`: the config.json. None: not quantized."""
-    if raw.get("quantization") is not None:
-        return raw["quantization"]
+    if (own := raw.get("quantization")) is not None:
+        if not isinstance(own, dict) or not all(
+            isinstance(own.get(k), int) for k in ("group_size", "bits")
+        ):
+            raise CheckpointError(
+                f"{where}: quantization is {own!r}; expected a dict with integer group_size "
+                "and bits (and mode, per-module entries), as mlx-lm writes it"
+            )
+        return own
     legacy = raw.get("quantization_config") or (raw.get("text_config") or {}).get(
         "quantization_config"
     )

@@ -260,6 +260,13 @@ def test_quantization_that_disagrees_with_the_weights_is_refused_in_one_line(che
         with pytest.raises(CheckpointError, match=rf"config\.json: quantization.*{said}"):
             load_model_parts(bad)
 
+    def no_bits(config):
+        config["quantization"] = {"mode": "mxfp4"}
+
+    bad = _edited(path, tmp_path / "no-bits", no_bits)
+    with pytest.raises(CheckpointError, match=r"config\.json: quantization is .*expected a dict"):
+        load_model_parts(bad)
+
     def awq(config):
         del config["quantization"]
         config["quantization_config"] = {"quant_method": "awq", "bits": 4}
