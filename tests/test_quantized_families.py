@@ -276,6 +276,17 @@ def test_quantization_that_disagrees_with_the_weights_is_refused_in_one_line(che
                        r"quant_method 'awq' is not loaded by this engine"):  # fmt: skip
         load_model_parts(bad)
 
+    def fp8_tensors(config):
+        del config["quantization"]
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized"
+        }  # fmt: skip
+
+    bad = _edited(path, tmp_path / "fp8", fp8_tensors)
+    with pytest.raises(CheckpointError, match=r"config\.json: quantization_config: "
+                       r"unsupported compressed-tensors format 'float-quantized'"):  # fmt: skip
+        load_model_parts(bad)
+
 
 def wedlm_generate(model: str, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -322,6 +333,11 @@ HF_FORMS = {
     "fp8-ue8m0": (
         "mxfp8",
         {"quant_method": "fp8", "scale_fmt": "ue8m0", "weight_block_size": [32, 32]},
+        "config.json",
+    ),
+    "compressed-tensors": (
+        "mxfp4",
+        {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"},
         "config.json",
     ),
     "modelopt": (
