@@ -306,18 +306,15 @@ def test_a_hub_id_resolves_from_the_local_cache_offline(checkpoints, tmp_path):
         "HF_HUB_OFFLINE": "1",
         "HF_HUB_CACHE": str(add_to_hub_cache(tmp_path / "hub", "wedlm-tests/gpt-oss-mxfp4", path)),
     }
-    out = wedlm_generate("wedlm-tests/gpt-oss-mxfp4", env)
-    assert out.returncode == 0, out.stderr
-    local = open_local_engine(path)
-    prompt = local.tokenizer.encode(PROMPT)
-    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
-    assert json.loads(out.stdout)["tokens"] == want
-    # a draft model named by its hub id too (verified drafts: still mlx-lm's tokens)
+    # the draft model named by its hub id too (verified drafts: still mlx-lm's tokens)
     out = wedlm_generate(
         "wedlm-tests/gpt-oss-mxfp4", env, "--mode", "speculative", "--draft", "model",
         "--draft-model", "wedlm-tests/gpt-oss-mxfp4",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    local = open_local_engine(path)
+    prompt = local.tokenizer.encode(PROMPT)
+    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
     result = json.loads(out.stdout)
     assert result["tokens"] == want and result["drafted_tokens"] > 0
     out = wedlm_generate("wedlm-tests/not-cached", env)
