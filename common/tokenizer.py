@@ -80,7 +80,9 @@ class Tokenizer:
         if self.reply.tools is not None:
             markers |= {self.reply.tools.start, self.reply.tools.end}
         kept = {vocab[m] for m in markers if m in vocab} - set(self.stop_ids)
-        self.special_ids = frozenset(self._hf.all_special_ids) - kept
+        # (every added token marked special, as the fast tokenizer's decode skips them)
+        special = {i for i, t in self._hf.added_tokens_decoder.items() if t.special}
+        self.special_ids = frozenset({*self._hf.all_special_ids, *special} - kept)
         # The most characters one token stands for (a byte-level vocabulary spells a token
         # with one character per byte: still a bound), so that a text that cannot fit a
         # context is known from its length alone.

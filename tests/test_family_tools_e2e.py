@@ -95,6 +95,14 @@ def test_chat_completions_whole_streamed_and_forced(served):
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
             (name, served["arguments"])
         ]
+        # streamed logprobs: those of the whole answer, though the parser holds text back
+        tokens = []
+        for chunk in client.chat.completions.create(**args, stream=True, logprobs=True):
+            for c in chunk.choices:
+                tokens += [e.token for e in (c.logprobs.content or ())] if c.logprobs else []
+        scored = client.chat.completions.create(**args, logprobs=True).choices[0].logprobs
+        # (a stream carries no entry for the stop token, whose text is empty: generation.py)
+        assert tokens == [e.token for e in scored.content][:-1] and len(tokens) >= 10
         # tool_choice naming the function: the family's grammar allows only its call
         forced = client.chat.completions.create(
             model=served["model"], messages=ASK, tools=tools, max_tokens=64,

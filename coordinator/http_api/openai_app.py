@@ -213,11 +213,12 @@ class _Reply:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return _sse(self._envelope(obj, [], usage=usage))
 
-    def reasoning_chunk(self, text: str) -> str:
+    def reasoning_chunk(self, text: str, logprobs: dict[str, Any] | None = None) -> str:
         """Reasoning text, under both names clients read (mlx-lm's and vLLM's
         `reasoning`, DeepSeek's `reasoning_content`)."""
         delta = {"reasoning": text, "reasoning_content": text}
-        choice = {"index": self.index, "delta": delta, "finish_reason": None, "logprobs": None}
+        choice = {"index": self.index, "delta": delta, "finish_reason": None,
+                  "logprobs": logprobs}  # fmt: skip
         return _sse(self._envelope("chat.completion.chunk", [choice]))
 
     def calls_chunk(self, calls: list[dict[str, Any]]) -> str:
@@ -486,18 +487,25 @@ def build_app(backend: ApiBackend) -> FastAPI:
         groups the tokens of one forward); `logprobs`: each text chunk carries its tokens'
         logprobs. With echo, the prompt's chunk comes first (with its logprobs, which the
         first commit carried)."""
-        # `tools` False: the answer is not parsed (plain text); else the request's tools
+        # `tools` False: the answer is not parsed (plain text); else the request's tools.
+        # The console's per-commit stream without tools shows the raw answer, as before.
         calls = None
-        if tools is not False:
+        if tools is not False and not (commits and tools is None):
             calls = reply_stream(backend.tokenizer, tools, gen.job.prompt)
         echo = reply.echo
+        held: list = []  # logprobs of committed tokens whose text the parser holds back
 
         def chunks(pieces):  # text, reasoning, or the calls of one completed tool call
             for p in pieces:
+                if isinstance(p, list):
+                    yield reply.calls_chunk(p)
+                    continue
+                found = reply.logprobs(held, token_text) if logprobs else None
+                held.clear()
                 if isinstance(p, Reasoning):
-                    yield reply.reasoning_chunk(p)
+                    yield reply.reasoning_chunk(p, found)
                 else:
-                    yield reply.text_chunk(p) if isinstance(p, str) else reply.calls_chunk(p)
+                    yield reply.text_chunk(p, found)
 
         async for piece in gen.pieces(merge=not commits):
             if echo is not None and not (isinstance(piece, RequestResult) and piece.error):
@@ -516,6 +524,8 @@ def build_app(backend: ApiBackend) -> FastAPI:
                 elif calls is None:
                     yield reply.text_chunk(piece)
                 else:
+                    if isinstance(piece, CommitText) and logprobs:
+                        held.extend(e for e in piece.logprobs if not isinstance(e, PromptLogprob))
                     for chunk in chunks(calls.add(piece)):
                         yield chunk
                 continue
@@ -528,6 +538,8 @@ def build_app(backend: ApiBackend) -> FastAPI:
                 if calls is not None:
                     for chunk in chunks(calls.finish()):
                         yield chunk
+                    if held and logprobs:  # a call's tokens, or text the parser dropped
+                        yield reply.text_chunk("", reply.logprobs(held, token_text))
                     if calls.calls and reason == "stop":
                         reason = "tool_calls"
                 yield reply.chunk(None, finish=reason)
