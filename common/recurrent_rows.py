@@ -150,3 +150,32 @@ def state_bytes(layers: list, caches: tuple, hidden_size: int, dtype: mx.Dtype) 
             layer(x, None, cache=state)
             total += state.nbytes()
     return total
+
+
+_MODEL_STATE: dict[tuple[str, str], int] = {}
+
+
+def model_state_bytes(config, dtype: mx.Dtype) -> int:
+    """state_bytes over every layer of the model `config` describes, from mlx-lm's model
+    built without weights (its parameters stay lazy: nothing is allocated)."""
+    key = (str(config.path), str(dtype))
+    if key not in _MODEL_STATE:
+        _MODEL_STATE[key] = _model_state_bytes(config, dtype)
+    return _MODEL_STATE[key]
+
+
+def _model_state_bytes(config, dtype: mx.Dtype) -> int:
+    import importlib
+
+    from common.model_families import find_layers, layer_caches
+
+    if config.diffusion:
+        return 0
+    arch = importlib.import_module(f"mlx_lm.models.{config.family}")
+    model = arch.Model(arch.ModelArgs.from_dict(config.mlx_args()))
+    layers = find_layers(model, config.family).layers
+    caches = layer_caches(model, config.family, len(layers))
+    if not any(c.recurrent for c in caches):
+        return 0
+    model.set_dtype(dtype)
+    return state_bytes(layers, caches, config.hidden_size, dtype)

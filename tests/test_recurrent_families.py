@@ -313,3 +313,25 @@ def test_a_state_costs_fixed_bytes_per_sequence(models):
         held = [layer for b in runner.store.batches for layer in b.layers]
         states = [layer for layer in held if isinstance(layer, LayerState)]
         assert sum(s.nbytes() for s in states) == 2 * per_layer
+
+
+def test_admission_counts_a_state_once_per_sequence(models):
+    """The model's state (read from mlx-lm's model without weights) is what its layers
+    hold; the scheduler counts it once per sequence, in KV tokens' worth, on top of the
+    sequence's KV rows: a request that fits in KV alone is refused with its state."""
+    import mlx.core as mx
+
+    from common.recurrent_rows import model_state_bytes, state_bytes
+    from coordinator.engine.limits import Limits
+    from coordinator.engine.scheduler import QueueFull, Scheduler
+    from coordinator.engine.sequence import Sequence
+
+    parts = load_model_parts(models["qwen3_next"], with_ends=False)
+    held = state_bytes(parts.layers, parts.caches, 64, mx.float32)
+    assert model_state_bytes(parts.config, mx.float32) == held > 0
+    params = GenerationParams(mode="ar", max_tokens=10)
+    need = 5 + 10 + params.forward_rows
+    Scheduler(Limits(kv_tokens=need), 1, 0, 512).add(Sequence(0, [1] * 5, params))
+    with pytest.raises(QueueFull, match=f"may need {need + 40} KV rows"):
+        scheduler = Scheduler(Limits(kv_tokens=need, state_tokens=40), 1, 0, 512)
+        scheduler.add(Sequence(1, [1] * 5, params))

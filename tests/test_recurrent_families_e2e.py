@@ -71,6 +71,8 @@ def test_two_stages_match_mlx_lm(family, tmp_path):
         )  # fmt: skip
         procs.append(coord)
         coord.expect("serving")
+        # admission counts each sequence's state once (fixed bytes, not per token)
+        assert any("recurrent state counts as" in line for line in coord.log), coord.log
         got = concurrent(grpc_address)
         assert got == expected(path)
         # the next turn of the first conversation forks its whole entry on both stages

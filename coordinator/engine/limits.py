@@ -20,6 +20,9 @@ class Limits:
     prefill_chunk: int = 512  # prompt tokens of one sequence per forward
     prefill_budget: int = 1024  # padded prompt rows per prefill micro-batch
     kv_tokens: int | None = None  # KV tokens the workers' free memory holds (None: unknown)
+    # KV tokens' worth of memory a sequence's recurrent state takes whatever its length
+    # (hybrid families: linear-attention or Mamba layers); set by the server
+    state_tokens: int = 0
     prefill_hold: int = knob(
         4,
         "decode steps a new prompt may wait, while others decode, for more prompts to share "

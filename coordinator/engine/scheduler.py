@@ -114,11 +114,12 @@ class Scheduler:
         )
 
     # ---- requests ------------------------------------------------------------------
-    @staticmethod
-    def kv_need(seq: Sequence) -> int:
-        """Worst-case KV rows of a sequence: its prompt, every token it may commit, and the
-        rows a forward writes past the committed length."""
-        return len(seq.prompt) + seq.params.max_tokens + seq.params.forward_rows
+    def kv_need(self, seq: Sequence) -> int:
+        """Worst-case KV rows of a sequence: its prompt, every token it may commit, the
+        rows a forward writes past the committed length, and its recurrent state's fixed
+        cost (in KV rows' worth of memory; 0 for attention-only families)."""
+        rows = len(seq.prompt) + seq.params.max_tokens + seq.params.forward_rows
+        return rows + self.limits.state_tokens
 
     def kv_in_use(self) -> int:
         return sum(self.kv_need(s) for s in self.running if not s.finished)

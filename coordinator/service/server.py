@@ -36,6 +36,7 @@ from common.layer_sizes import compute_dtype, kv_bytes_per_token
 from common.mlx_thread_exit import release_mlx_thread
 from common.model_parts import load_model_parts
 from common.proto_gen import wedlm_pb2 as pb
+from common.recurrent_rows import model_state_bytes
 from common.tensor_group.spec import check_tp_flag
 from common.tls import TlsConfig, bind
 from common.tokenizer import Tokenizer
@@ -508,14 +509,26 @@ class CoordinatorServer:
                 budgets.append(int(host_info.memory()[1] * headroom) // per_token)
         return min(budgets) if budgets else None
 
+    def _state_tokens(self) -> int:
+        """A sequence's recurrent state (hybrid families) in KV tokens' worth of memory,
+        the model's whole state against its whole KV per token (0: attention only)."""
+        dtype = compute_dtype(self.config)
+        state = model_state_bytes(self.config, dtype)
+        per_token = kv_bytes_per_token(self.config, dtype, self.config.num_layers, self.opts.kv)
+        return -(-state // per_token) if state and per_token else 0
+
     def _set_kv_budget(self) -> None:
         """Admission's KV budget from the memory free now; without --max-running, the
         number of sequences decoded at once follows it."""
         limits = self.engine.scheduler.limits
         limits.kv_tokens = self.measure_kv_budget()
+        limits.state_tokens = self._state_tokens()
         log.info("KV admission budget: %s tokens", limits.kv_tokens)
+        if limits.state_tokens:
+            log.info("a sequence's recurrent state counts as %s KV tokens", limits.state_tokens)
         if not self.opts.max_running:
             rows = 1 if self.config.default_mode == "ar" else 2 * GenerationParams().window
+            rows += limits.state_tokens  # a hybrid family's state, in KV tokens' worth
             limits.max_running, self.max_running_reason = auto_max_running(
                 limits.kv_tokens, self.opts.default_max_tokens, rows
             )
