@@ -119,3 +119,25 @@ def test_a_killed_worker_is_replayed(tmp_path):
     finally:
         for p in procs:
             p.stop()
+
+
+def test_a_worker_fetches_a_mamba_hybrids_layers(tmp_path):
+    """A worker without the model fetches Nemotron-H's layers 1-3 from the coordinator
+    (cut from the checkpoint by their `backbone.layers.N` names) and serves their states."""
+    from tests.cluster_harness import start_fetching_worker
+
+    path = make_mlx_checkpoint(tmp_path / "m", "nemotron_h", seed=3, spec=SPECS["nemotron_h"])
+    name = cluster_name()
+    worker, address = start_fetching_worker(name, tmp_path / "cache")
+    procs = [worker]
+    try:
+        coord, grpc_address = start_coordinator(
+            path, name, "--no-bonjour", "--expect", "1", "--worker", address,
+            "--layers", "0-0", "--micro-batches", "2",
+        )  # fmt: skip
+        procs.append(coord)
+        coord.expect("serving", timeout=240)
+        assert concurrent(grpc_address) == expected(path)
+    finally:
+        for p in procs:
+            p.stop()
