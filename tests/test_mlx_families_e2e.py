@@ -13,8 +13,20 @@ from tests.checkpoints import make_mlx_checkpoint
 from tests.cluster_harness import cluster_name, start_fetching_worker, start_worker
 from tests.family_cluster import at_once, coordinator_before, encode_all, mlx_lm_tokens
 
-# gemma3: the multimodal layout (layers at language_model.model.layers); deepseek_v3: MLA
-FAMILIES = ["gpt_oss", "gemma3_text", "gemma3", "glm4", "deepseek_v3"]
+# gemma3: the multimodal layout (layers at language_model.model.layers); deepseek_v3: MLA;
+# llama4: chunked layers; gemma4: MoE and a tuple-returning layer in the multimodal layout;
+# mistral3_ministral3: layers called with the mask by name; kimi_k25: MLA, multimodal
+FAMILIES = [
+    "gpt_oss",
+    "gemma3_text",
+    "gemma3",
+    "glm4",
+    "deepseek_v3",
+    "llama4",
+    "gemma4",
+    "mistral3_ministral3",
+    "kimi_k25",
+]
 PROMPTS = [
     "once upon a time there was a little robot who liked to count",
     "the quick brown fox",
