@@ -3,7 +3,7 @@
 turns, tools, tool calls, tool results and reasoning; long system texts cut), for tiny
 test checkpoints: mlx-lm chooses a tool parser from this text as it would from the real
 tokenizer_config.json. Sources: zai-org/GLM-4.7's chat_template.jinja, openai/gpt-oss-20b's
-(harmony) and Qwen/Qwen3-Coder-30B-A3B-Instruct's."""
+(harmony), Qwen/Qwen3-Coder-30B-A3B-Instruct's and MiniMaxAI/MiniMax-M2's."""
 
 # GLM-4.7: `[gMASK]<sop>`, <|user|>/<|assistant|>/<|observation|>, reasoning in <think>
 # (the generation prompt opens it), calls as name<arg_key>k</arg_key><arg_value>v</arg_value>.
@@ -165,3 +165,49 @@ value_1
 {%- endfor -%}
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif -%}"""
+
+# MiniMax-M2: turns as ]~b]role ... [e~[ (]~!b[ opens the conversation), tools in <tools>
+# as <tool>JSON</tool>, reasoning in <think> (the generation prompt opens it), a call as
+# <minimax:tool_call><invoke name="N"><parameter name="K">V</parameter></invoke>...
+MINIMAX_M2 = """{%- set ns = namespace(system='You are a helpful assistant.') -%}
+{%- if messages[0].role == 'system' -%}{%- set ns.system = messages[0].content -%}{%- endif -%}
+{{- ']~!b[' ~ ']~b]system' ~ '\n' ~ ns.system }}
+{%- if tools %}
+
+# Tools
+You may call one or more tools to assist with the user query.
+Here are the tools available in JSONSchema format:
+
+<tools>
+{% for tool in tools %}<tool>{{ tool.function | tojson(ensure_ascii=False) }}</tool>
+{% endfor -%}
+</tools>
+
+When making tool calls, use XML format to invoke tools and pass parameters:
+
+<minimax:tool_call>
+<invoke name="tool-name-1">
+<parameter name="param-key-1">param-value-1</parameter>
+</invoke>
+</minimax:tool_call>
+{%- endif -%}
+{{- '[e~[\n' }}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}{{- ']~b]user' ~ '\n' ~ m.content ~ '[e~[' ~ '\n' }}
+{%- elif m.role == 'assistant' -%}{{- ']~b]ai' ~ '\n' }}
+{%- if m.reasoning_content -%}{{- '<think>' ~ '\n' ~ m.reasoning_content ~ '\n' ~ '</think>' ~ '\n\n' }}{%- endif -%}
+{%- if m.content -%}{{- m.content }}{%- endif -%}
+{%- if m.tool_calls -%}
+{{- '\n' ~ '<minimax:tool_call>' ~ '\n' }}
+{%- for tc in m.tool_calls -%}{%- set tc = tc.function if tc.function is defined else tc -%}
+{{- '<invoke name="' ~ tc.name ~ '">' ~ '\n' }}
+{%- for k, v in tc.arguments.items() -%}{{- '<parameter name="' ~ k ~ '">' ~ (v if v is string else v | tojson) ~ '</parameter>' ~ '\n' }}{%- endfor -%}
+{{- '</invoke>' ~ '\n' }}
+{%- endfor -%}
+{{- '</minimax:tool_call>' }}
+{%- endif -%}
+{{- '[e~[' ~ '\n' }}
+{%- elif m.role == 'tool' -%}{{- ']~b]tool' ~ '\n' ~ '<response>' ~ m.content ~ '</response>' ~ '[e~[' ~ '\n' }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- ']~b]ai' ~ '\n' ~ '<think>' ~ '\n' }}{%- endif -%}"""

@@ -114,3 +114,13 @@ HARMONY_WORDS = ["assistant", "commentary", " to=functions.", "json", "get_time"
 HARMONY_SCRIPT = (
     "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>"
 )
+
+# MiniMax-M2's turn tokens (special) and markers; the answer: reasoning (the prompt opened
+# <think>), then one call, without the newlines the real model writes between tags (a
+# bigram says each token once; the parser reads both).
+MINIMAX_SPECIAL = ["]~!b[", "]~b]", "[e~["]
+MINIMAX_PLAIN = ["<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"]
+MINIMAX_WORDS = ["Sky?", '<invoke name="', 'get_weather">', '<parameter name="', 'city">',
+                 "Paris", "</parameter>", "</invoke>"]  # fmt: skip
+MINIMAX_SCRIPT = ('Sky?</think><minimax:tool_call><invoke name="get_weather"><parameter '
+                  'name="city">Paris</parameter></invoke></minimax:tool_call>')  # fmt: skip

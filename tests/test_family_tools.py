@@ -17,11 +17,13 @@ from coordinator.http_api.reply_parsing import Reasoning, ReplyStream, split_rep
 from coordinator.http_api.response_format import tool_choice_grammar
 from coordinator.http_api.tool_grammar import call_lark
 from tests.checkpoints import TOOL_CHAT_TEMPLATE, make_checkpoint, make_mlx_checkpoint
-from tests.family_chat_templates import GLM47, GPT_OSS, QWEN3_CODER
+from tests.family_chat_templates import GLM47, GPT_OSS, MINIMAX_M2, QWEN3_CODER
 from tests.family_tool_checkpoints import (
     GLM_PLAIN,
     GLM_SPECIAL,
     HARMONY_SPECIAL,
+    MINIMAX_PLAIN,
+    MINIMAX_SPECIAL,
     _add_tokens,
 )
 
@@ -39,6 +41,7 @@ def toks(tmp_path_factory) -> dict[str, Tokenizer]:
         ("glm", "glm4", GLM47, (GLM_SPECIAL, GLM_PLAIN)),
         ("harmony", "gpt_oss", GPT_OSS, (HARMONY_SPECIAL, [])),
         ("coder", "qwen3_moe", QWEN3_CODER, None),
+        ("minimax", "minimax", MINIMAX_M2, (MINIMAX_SPECIAL, MINIMAX_PLAIN)),
     ):
         folder = tmp_path_factory.mktemp(name)
         make = make_checkpoint if family == "qwen3_moe" else make_mlx_checkpoint
@@ -68,6 +71,7 @@ def test_the_format_is_read_from_the_checkpoint(toks):
     assert (glm.tools.format, glm.think, glm.harmony) == ("glm47", ("<think>", "</think>"), False)
     assert (harmony.tools.format, harmony.think, harmony.harmony) == ("harmony", None, True)
     assert (coder.tools.format, coder.harmony) == ("qwen3_coder", False)
+    assert toks["minimax"].reply.tools.format == "minimax_m2"
     # GLM-4.7's generation prompt opens <think>: its answer starts as reasoning
     prompt = toks["glm"].encode_chat([{"role": "user", "content": "hi"}])
     assert toks["glm"].starts_in_reasoning(prompt)
@@ -87,6 +91,9 @@ def test_the_format_is_read_from_the_checkpoint(toks):
         # a call straight from reasoning (mlx-lm's server allows it)
         ("glm", "Hm<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
          "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>", True, ("", "Hm", [PARIS])),
+        ("minimax", "Think.\n</think>\n\n<minimax:tool_call>\n<invoke name=\"get_weather\">\n"
+         "<parameter name=\"city\">Paris</parameter>\n<parameter name=\"days\">2</parameter>\n"
+         "</invoke>\n</minimax:tool_call>", True, ("\n\n", "Think.\n", [PARIS])),
         ("coder", "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
          "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>", False,
          ("Sure.\n", "", [PARIS])),
@@ -133,6 +140,9 @@ def test_harmony_pieces():
          "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>"),
         ("coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
          "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"),
+        ("minimax", "<minimax:tool_call>\n<invoke name=\"get_weather\">\n<parameter name=\"city\">"
+         "Paris</parameter>\n<parameter name=\"days\">2</parameter>\n</invoke>\n"
+         "</minimax:tool_call>"),
         ("harmony", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
          '{"city":"Paris","days":2}<|call|>'),
     ],

@@ -1,4 +1,4 @@
-"""Tool calls and reasoning of two new families, in their own formats, through every HTTP
+"""Tool calls and reasoning of three new families, in their own formats, through every HTTP
 API with the real clients (`openai` for chat completions and Responses, `anthropic` for
 Messages, httpx for Ollama's plain HTTP), whole and streamed, against a real coordinator.
 
@@ -6,6 +6,8 @@ Messages, httpx for Ollama's plain HTTP), whole and streamed, against a real coo
   `</think>`, then `<tool_call>get_weather<arg_key>city</arg_key>...` (mlx-lm's glm47).
 - gpt-oss (gpt_oss, harmony): the answer is a commentary message to functions.get_time
   (our harmony parser).
+- MiniMax-M2 (minimax): reasoning after the prompt's `<think>`, then
+  `<minimax:tool_call><invoke name="get_weather">...` (mlx-lm's minimax_m2).
 Each checkpoint answers one fixed script (tests/family_tool_checkpoints.py), so the
 parsed call (name and arguments) and the reasoning are asserted exactly; `tool_choice`
 naming the function decodes the same call through the family's grammar."""
@@ -20,7 +22,7 @@ import openai
 import pytest
 
 from tests.cluster_harness import http_coordinator
-from tests.family_chat_templates import GLM47, GPT_OSS
+from tests.family_chat_templates import GLM47, GPT_OSS, MINIMAX_M2
 from tests.family_tool_checkpoints import (
     GLM_PLAIN,
     GLM_REASONING,
@@ -30,6 +32,10 @@ from tests.family_tool_checkpoints import (
     HARMONY_SCRIPT,
     HARMONY_SPECIAL,
     HARMONY_WORDS,
+    MINIMAX_PLAIN,
+    MINIMAX_SCRIPT,
+    MINIMAX_SPECIAL,
+    MINIMAX_WORDS,
     scripted_checkpoint,
 )
 
@@ -47,6 +53,8 @@ FAMILIES = {
             WEATHER, {"city": "Paris"}, GLM_REASONING),
     "gpt_oss": (("gpt_oss", GPT_OSS, HARMONY_SPECIAL, HARMONY_WORDS, "assistant",
                  HARMONY_SCRIPT), TIME, {}, ""),
+    "minimax": (("minimax", MINIMAX_M2, MINIMAX_SPECIAL, MINIMAX_PLAIN + MINIMAX_WORDS,
+                 "<think>\n", MINIMAX_SCRIPT), WEATHER, {"city": "Paris"}, GLM_REASONING),
 }  # fmt: skip
 ASK = [{"role": "user", "content": "what is the weather in Paris now?"}]
 

@@ -85,7 +85,8 @@ def tool_choice_grammar(
         if (other := call_lark(chosen, syntax, stops)) is not None:
             return _checked(grammars, other, "tool_choice")
         raise ApiError(400, "tool_choice: required and named functions need a tool-call "
-                       "format this server writes (json_tools, qwen3_coder, glm47, harmony); "
+                       "format this server writes (json_tools, qwen3_coder, glm47, "
+                       "minimax_m2, harmony); "
                        f"this model's is {syntax.format or 'another'}",
                        "tool_choice")  # fmt: skip
     calls = [

@@ -1,7 +1,8 @@
 """`tool_choice` required / a named function as a grammar in the model's own tool-call
 markup, for the formats whose arguments are not one JSON object between markers
 (response_format.py does Qwen's JSON `<tool_call>`): Qwen3-Coder's XML parameters,
-GLM-4.5/4.7's `<arg_key>`/`<arg_value>` pairs and harmony's commentary message. A string
+GLM-4.5/4.7's `<arg_key>`/`<arg_value>` pairs, MiniMax-M2's `<invoke>` and harmony's
+commentary message. A string
 parameter is free text without markup (its `enum`, when it has one, chosen from), any
 other is JSON of its schema; what mlx-lm's parser of that format reads back."""
 
@@ -16,7 +17,7 @@ from common.tokenizer import ToolSyntax
 # model pad forever); a free string stops at markup and is kept short.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _FREE_TEXT = r"/[^<\n]{1,80}/"
-FORMATS = ("qwen3_coder", "glm47", "harmony")
+FORMATS = ("qwen3_coder", "glm47", "minimax_m2", "harmony")
 
 
 def marker_lark(text: str, syntax: ToolSyntax) -> str:
@@ -64,6 +65,8 @@ def _call_rule(tool: dict[str, Any], syntax: ToolSyntax, i: int) -> list[str]:
     for j, (key, schema, required) in enumerate(_parameters(tool)):
         if syntax.format == "qwen3_coder":
             opening, closing = f"<parameter={key}>\n", "\n</parameter>\n"
+        elif syntax.format == "minimax_m2":
+            opening, closing = f'<parameter name="{key}">', "</parameter>\n"
         else:  # glm47
             opening, closing = f"<arg_key>{key}</arg_key><arg_value>", "</arg_value>"
         body = f"{marker_lark(opening, syntax)} v{i}_{j} {marker_lark(closing, syntax)}"
@@ -72,6 +75,9 @@ def _call_rule(tool: dict[str, Any], syntax: ToolSyntax, i: int) -> list[str]:
     if syntax.format == "qwen3_coder":
         head = marker_lark(f"\n<function={name}>\n", syntax)
         tail = marker_lark("</function>\n", syntax)
+    elif syntax.format == "minimax_m2":
+        head = marker_lark(f'\n<invoke name="{name}">\n', syntax)
+        tail = marker_lark("</invoke>\n", syntax)
     else:
         head, tail = marker_lark(name, syntax), ""
     rules.append(f"call{i}: {head} {' '.join(parts)} {tail}".rstrip())
