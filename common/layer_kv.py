@@ -71,7 +71,7 @@ def _probe(config: ModelConfig) -> tuple[KVShape, ...]:
         arch = importlib.import_module(f"mlx_lm.models.{config.family}")
         model = arch.Model(arch.ModelArgs.from_dict(config.mlx_args()))
         layers = find_layers(model, config.family).layers
-        caches = _caches(model, len(layers))
+        caches = _caches(model, config.family, len(layers))
     except Exception:  # the load itself names what is wrong; here a formula is enough
         return fallback
     x = mx.zeros((1, 1, config.hidden_size), mx.float32)
@@ -92,10 +92,18 @@ def _probe(config: ModelConfig) -> tuple[KVShape, ...]:
     return tuple(shapes[: config.num_layers])
 
 
-def _caches(model: Any, num_layers: int) -> list[bool]:
+def _caches(model: Any, family: str, num_layers: int) -> list[bool]:
     """Per layer, whether mlx-lm gives it an attention KV cache of its own (layers past
     the end of make_cache()'s list share an earlier layer's, as Gemma 4's do)."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    from common.errors import CheckpointError
+    from common.model_families import layer_caches
+
+    try:  # each layer's own kind: a hybrid's caches skip its cacheless layers (Nemotron-H)
+        return [c.cached and not c.recurrent for c in layer_caches(model, family, num_layers)]
+    except CheckpointError:
+        pass
 
     make = getattr(model, "make_cache", None)
     if make is None:

@@ -335,3 +335,17 @@ def test_admission_counts_a_state_once_per_sequence(models):
     with pytest.raises(QueueFull, match=f"may need {need + 40} KV rows"):
         scheduler = Scheduler(Limits(kv_tokens=need, state_tokens=40), 1, 0, 512)
         scheduler.add(Sequence(1, [1] * 5, params))
+
+
+def test_kv_per_token_sits_on_a_hybrids_attention_layers(tmp_path):
+    """Nemotron-H's make_cache() skips its MLP layers: with attention as layer 2 of
+    M-*M, the KV per token is layer 2's (the planner splits memory by it), none elsewhere."""
+    from common.layer_kv import kv_token_shapes
+    from common.model_config import load_model_config
+
+    spec = SPECS["nemotron_h"]
+    path = make_mlx_checkpoint(
+        tmp_path / "m", "nemotron_h", spec=spec, hybrid_override_pattern="M-*M"
+    )
+    shapes = kv_token_shapes(load_model_config(path))
+    assert shapes == ((), (), ((2, 16), (2, 16)), ())
