@@ -349,3 +349,18 @@ def test_kv_per_token_sits_on_a_hybrids_attention_layers(tmp_path):
     )
     shapes = kv_token_shapes(load_model_config(path))
     assert shapes == ((), (), ((2, 16), (2, 16)), ())
+
+
+def test_choices_of_one_request_prefill_their_own_prompts(models):
+    """n > 1: a choice cannot fork its leader's state at the prompt's last row (the state
+    has run past it), so each choice prefills its prompt; both give the solo tokens."""
+    path = models["qwen3_5"]
+    local = open_local_engine(path, num_rows=2)
+    prompt = local.tokenizer.encode(PROMPTS[0])
+    leader = local.engine.submit(prompt, AR)
+    other = local.engine.submit(prompt, AR, shares_with=leader)
+    assert other.share_from is None
+    for _ in local.engine.stream([leader, other]):
+        pass
+    assert leader.output == other.output == reference(path, prompt)
+    assert other.shared_tokens == 0
