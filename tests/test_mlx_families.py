@@ -235,12 +235,13 @@ def test_speculative_on_a_sliding_window_family_equals_ar(models, family):
     assert seq.drafted > 0  # drafts were written, verified and rolled back
 
 
-def test_mode_wedlm_on_a_sliding_window_family_is_refused_with_why(models):
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
+def test_mode_wedlm_on_a_sliding_window_family_is_refused_with_why(models, family):
     from common.errors import InvalidRequest
 
-    local = engine(models["gpt_oss"])
+    local = engine(models[family])
     prompt = local.tokenizer.encode(PROMPTS[1])
-    with pytest.raises(InvalidRequest, match="mode wedlm is not served for gpt_oss: it has "):
+    with pytest.raises(InvalidRequest, match=f"mode wedlm is not served for {family}: it has "):
         local.engine.submit(prompt, GenerationParams(mode="wedlm", max_tokens=4))
     assert local.engine.default_mode == "ar"  # mode auto decodes it with AR
 

@@ -272,7 +272,8 @@ class Engine:
             # mask counts slots, not logical positions: near a window's edge it would be off
             raise InvalidRequest(
                 f"mode wedlm is not served for {self.config.family}: it has sliding-window "
-                f"attention layers, whose masks WeDLM's reordered windows do not keep yet "
+                f"or chunked attention layers, whose masks WeDLM's reordered windows do not "
+                f"keep yet "
                 f"(use mode ar or speculative)"
             )
         masks = params.mode == "wedlm" or params.draft == "mask"
