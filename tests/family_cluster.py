@@ -99,10 +99,12 @@ def coordinator_before(
     return coord, grpc
 
 
-def check_prefixes(grpc: str, path, cached: bool) -> None:
-    """The shared-prefix prompts (one twice, then the rest at once with other prompts):
-    each request's tokens are mlx-lm's for it alone; `cached`: the cluster's prefix cache
-    served the repeated and shared prefix, else none of it."""
+def check_prefixes(grpc: str, path, cached: bool, forks_anywhere: bool = True) -> None:
+    """The shared-prefix prompts (one twice, its conversation's next turn, then the rest
+    at once with other prompts): each request's tokens are mlx-lm's for it alone.
+    `cached`: the cluster's prefix cache served the repeated and shared prefixes (only
+    whole entries, a conversation's earlier turn, where `forks_anywhere` is False: a
+    recurrent state is held for its whole sequence), else none of it."""
     shared = encode_all(path, [SYSTEM + q for q in QUESTIONS])
     others = encode_all(path, OTHERS)
     want = mlx_lm_tokens(path, shared + others, MAX_TOKENS)
@@ -110,10 +112,15 @@ def check_prefixes(grpc: str, path, cached: bool) -> None:
     assert prefix > SLIDING_WINDOW
     first, again = (at_once(grpc, shared[:1], MAX_TOKENS)[0] for _ in range(2))
     assert first["tokens"] == again["tokens"] == want[0]
+    turn = shared[0] + first["tokens"] + encode_all(path, [" and then?"])[0]
+    (next_turn,) = at_once(grpc, [turn], MAX_TOKENS)
+    assert next_turn["tokens"] == mlx_lm_tokens(path, [turn], MAX_TOKENS)[0]
     batched = at_once(grpc, shared[1:] + others, MAX_TOKENS)  # a batch of 5 requests
     assert [r["tokens"] for r in batched] == want[1:]
-    hits = [again["cached_tokens"]] + [r["cached_tokens"] for r in batched[: len(shared) - 1]]
-    if cached:  # the blocks of 16 that the prefix fills, at least
+    if not cached:
+        assert all(r["cached_tokens"] == 0 for r in [first, again, next_turn, *batched])
+        return
+    assert next_turn["cached_tokens"] >= len(shared[0]), next_turn["cached_tokens"]
+    if forks_anywhere:  # the blocks of 16 that the shared prefix fills, at least
+        hits = [again["cached_tokens"]] + [r["cached_tokens"] for r in batched[:2]]
         assert all(h >= prefix // 16 * 16 for h in hits), hits
-    else:
-        assert all(r["cached_tokens"] == 0 for r in [first, again, *batched])

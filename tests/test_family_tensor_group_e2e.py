@@ -1,7 +1,9 @@
 """Families mlx-lm can shard, through a TP=2 tensor group: the coordinator is rank 0 of a
 group with one real worker (rank 1) over mlx.distributed's ring backend on 127.0.0.1, each
 member's layers split by mlx-lm's own `Model.shard` (gpt-oss: sliding windows, sinks and
-MoE experts; DeepSeek V3: MLA heads, a dense first layer, routed and shared experts).
+MoE experts; DeepSeek V3: MLA heads, a dense first layer, routed and shared experts;
+Qwen3.5: gated delta-net layers' recurrent state between full-attention layers, its layers
+at language_model.model.layers and its shard reached through `self.language_model`).
 A repeated prompt, prompts sharing a prefix past the window (forked from the prefix cache
 inside the group) and requests at once: every request's greedy float32 tokens equal
 mlx-lm's `generate_step`, and still after the worker is killed mid-generation (the
@@ -22,6 +24,7 @@ from tests.family_cluster import (
     mlx_lm_tokens,
     streams_with_fault,
 )
+from tests.test_recurrent_families import SPECS  # Qwen3.5: its multimodal layout
 from wedlm_client.client import WedlmClient
 
 pytestmark = pytest.mark.e2e
@@ -30,9 +33,9 @@ GROUP_ENV = {"WEDLM_GROUP_BOUND_S": "10"}
 STREAMS = [f"stream {i} says {w}" for i, w in enumerate("abcd")]
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3", "qwen3_5"])
 def test_tp2_group_matches_mlx_lm(family, tmp_path):
-    path = make_mlx_checkpoint(tmp_path / family, family, seed=5)
+    path = make_mlx_checkpoint(tmp_path / family, family, seed=5, spec=SPECS.get(family))
     name = cluster_name()
     worker, address = start_worker(path, name, "--no-bonjour", env=GROUP_ENV)
     procs = [worker]
@@ -45,7 +48,7 @@ def test_tp2_group_matches_mlx_lm(family, tmp_path):
         assert member.group_leader == "coordinator" and member.info.group_rank == 1
         assert member.info.group_size == 2 and member.info.group_backend == "ring"
         assert "tensor group" in status.plan_note, status.plan_note
-        check_prefixes(grpc, path, cached=True)
+        check_prefixes(grpc, path, cached=True, forks_anywhere=family != "qwen3_5")
         # the member's machine is lost mid-generation (its worker and its group process):
         # the coordinator plans again alone and replays every stream
         machine = psutil.Process(worker.popen.pid)
