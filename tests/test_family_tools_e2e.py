@@ -68,8 +68,9 @@ def served(request, tmp_path_factory):
     model = scripted_checkpoint(folder, *recipe, max_position_embeddings=4096)
     with http_coordinator(model) as coord:
         base = coord.http.removesuffix("/v1")
+        fmt = {"glm": "glm47", "gpt_oss": "harmony", "minimax": "minimax_m2"}[request.param]
         yield {"http": coord.http, "base": base, "model": model.name, "tool": tool,
-               "arguments": arguments, "reasoning": reasoning}  # fmt: skip
+               "arguments": arguments, "reasoning": reasoning, "format": fmt}  # fmt: skip
 
 
 def _openai(served):
@@ -115,6 +116,8 @@ def test_chat_completions_whole_streamed_and_forced(served):
         forced = client.chat.completions.create(
             model=served["model"], messages=ASK, tools=tools, max_tokens=64,
             tool_choice={"type": "function", "function": {"name": name}})  # fmt: skip
+        card = client.models.retrieve(served["model"]).model_extra
+        assert card["tool_call_format"] == served["format"] and card["reasoning"]
         [call] = forced.choices[0].message.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == (
             name, served["arguments"])  # fmt: skip
@@ -124,7 +127,8 @@ def test_anthropic_messages_whole_and_streamed(served):
     tool = {"name": served["tool"]["name"], "description": served["tool"]["description"],
             "input_schema": served["tool"]["parameters"]}  # fmt: skip
     client = anthropic.Anthropic(base_url=served["base"], api_key="x", max_retries=0)
-    args = {"model": served["model"], "max_tokens": 64, "tools": [tool], "messages": ASK}
+    args = {"model": served["model"], "max_tokens": 64, "tools": [tool], "messages": ASK,
+            "thinking": {"type": "enabled", "budget_tokens": 32}}  # fmt: skip
     whole = client.messages.create(**args)
     with client.messages.stream(**args) as stream:
         streamed = stream.get_final_message()
@@ -147,7 +151,8 @@ def test_anthropic_messages_whole_and_streamed(served):
 
 def test_ollama_chat_whole_and_streamed(served):
     tools = [{"type": "function", "function": served["tool"]}]
-    body = {"model": served["model"], "messages": ASK, "tools": tools,
+    # think: this model writes its reasoning apart, so it is accepted
+    body = {"model": served["model"], "messages": ASK, "tools": tools, "think": True,
             "options": {"num_predict": 64}}  # fmt: skip
     whole = httpx.post(f"{served['base']}/api/chat", json={**body, "stream": False},
                        timeout=120).json()  # fmt: skip

@@ -597,4 +597,7 @@ def _model_card(backend: ApiBackend) -> dict[str, Any]:
             "owned_by": "wedlm-cluster", "max_model_len": backend.context,
             "default_mode": backend.default_mode,
             "tool_calling": backend.tokenizer.tool_calling is not None,
+            # the answer's format, read from the checkpoint (reply_parsing.py)
+            "tool_call_format": getattr(backend.tokenizer.tool_calling, "format", None),
+            "reasoning": has_reasoning(backend.tokenizer),
             "apis": API_SUPPORT}  # fmt: skip
