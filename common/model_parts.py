@@ -42,6 +42,8 @@ class ModelParts(nn.Module):
         family = config.family
         try:
             found = model_families.find_layers(full, family)
+            # called as (x, mask, cache=); a layer the stages cannot feed is refused first
+            layer_calls.adapt_layers(found.layers, family)
             # what each layer keeps: attention KV (its window) or recurrent state
             all_caches = model_families.layer_caches(full, family, len(found.layers))
         except CheckpointError as e:
@@ -56,7 +58,6 @@ class ModelParts(nn.Module):
         self.array_mask = model_families.wants_array_mask(found.owner)
         blocks = found.layers
         self.layers = [blocks[i] for i in layer_range] if layer_range else []
-        layer_calls.adapt_layers(self.layers, family)  # called as (x, mask, cache=)
         for layer in self.layers:
             model_families.check_layer_call(layer, family)
         caches = tuple(all_caches[i] for i in layer_range) if layer_range else ()
