@@ -364,3 +364,24 @@ def test_choices_of_one_request_prefill_their_own_prompts(models):
         pass
     assert leader.output == other.output == reference(path, prompt)
     assert other.shared_tokens == 0
+
+
+def test_a_quantized_kv_cache_keeps_states_in_full(tmp_path):
+    """--kv-bits quantizes the attention layers' KV; a state stays in the model's dtype
+    (mlx-lm's layers read it as is), and the tokens stay close to mlx-lm's."""
+    from common.kv_format import KVFormat
+    from common.kv_rows import QuantizedLayerKV
+    from common.recurrent_rows import LayerState
+
+    path = make_mlx_checkpoint(tmp_path / "m", "qwen3_next", seed=3, spec=SPECS["qwen3_next"],
+                               head_dim=32)  # fmt: skip
+    local = open_local_engine(path, kv=KVFormat(bits=8, group_size=32))
+    prompt = local.tokenizer.encode(PROMPTS[0])
+    seq = local.engine.submit(prompt, AR)
+    runner = local.engine.pipeline.runner
+    kinds: set[type] = set()
+    for _ in local.engine.stream([seq]):
+        kinds |= {type(layer) for b in runner.store.batches for layer in b.layers}
+    assert kinds == {LayerState, QuantizedLayerKV}
+    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.config.eos_token_ids)
+    assert seq.output[:4] == want[:4]
