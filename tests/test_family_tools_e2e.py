@@ -206,3 +206,12 @@ def test_responses_function_tools(served):
             client.responses.create(model=served["model"], input=ASK,
                                     previous_response_id=whole.id)  # fmt: skip
         assert err.value.body["param"] == "previous_response_id"
+        choice = {"type": "function", "name": name}
+        forced = client.responses.create(model=served["model"], input=ASK, tools=[tool],
+                                         max_output_tokens=64, tool_choice=choice)  # fmt: skip
+        assert (forced.output[-1].name, json.loads(forced.output[-1].arguments)) == (
+            name, served["arguments"])  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=served["model"], input=ASK,
+                                    tools=[{"type": "web_search"}])  # fmt: skip
+        assert err.value.body["param"] == "tools[0].type"

@@ -176,7 +176,9 @@ def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
     """`text.format` as chat's response_format: Responses flattens json_schema's fields."""
     fmt = (body.text or {}).get("format") or {}
     kind = fmt.get("type", "text")
-    if kind in ("text", "json_object"):
+    if kind == "text":  # free text: no grammar (one a tool_choice may then set)
+        return None
+    if kind == "json_object":
         return {"type": kind}
     if kind == "json_schema":
         if "schema" not in fmt:
