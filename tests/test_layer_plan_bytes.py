@@ -165,17 +165,20 @@ def _params(module):
     return tree_flatten(module.parameters())
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k25", "gpt_oss"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k25", "gpt_oss", "gemma4_text"])
 def test_kv_bytes_per_token_are_what_the_cache_holds(family, tmp_path):
     """MLA stores its latent and one rope key per token (kv_lora_rank + qk_rope_head_dim),
-    not heads x head_dim; a sliding layer keeps every position here: the planner's bytes
-    equal the engine's own KV buffers after a forward."""
+    not heads x head_dim; Gemma 4's global layers wider heads than its local ones; a
+    sliding layer keeps every position here: the planner's bytes equal the engine's own
+    KV buffers after a forward."""
     path = make_mlx_checkpoint(tmp_path / family, family, seed=3)
     config = load_model_config(path)
     parts = load_model_parts(path)
     per_layer = FULL.layer_bytes_per_token(config, mx.float32)
-    if family != "gpt_oss":
+    if family in ("deepseek_v3", "kimi_k25"):
         assert per_layer == ((16 + 8) * 4,) * 4
+    if family == "gemma4_text":  # 2 KV heads of 16 on local layers, of 32 on global ones
+        assert per_layer == (2 * 2 * 16 * 4, 2 * 2 * 32 * 4) * 2
     kv = KVRows(len(parts.layers), 1)
     mx.eval(run_layers(parts, parts.embed(mx.array([[5, 17, 99, 3]])), kv, np.tri(4)[None] > 0))
     assert kv.nbytes() == kv.capacity * sum(per_layer)
