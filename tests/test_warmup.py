@@ -226,3 +226,57 @@ def test_two_stages_measure_the_draft_break_even_through_the_worker(model, tmp_p
         if coord is not None:
             coord.stop()
         worker.stop()
+
+
+def test_the_background_warm_up_runs_the_rest_between_requests(model, warmed):
+    """A server warms one request's shapes before readiness and the larger batches' while
+    idle, one forward per step (WarmUpRun): a request run between two steps decodes as on a
+    fresh engine, and at the end the union is the whole set, with no warm-up row left."""
+    from coordinator.engine.warmup import WarmUpRun, row_buckets
+
+    _, full = warmed
+    local = open_engine(model)
+    engine = local.engine
+    first = warm_up(engine, max_rows=1, timing=False)
+    assert {r for r, _, _ in first.keys} == {1}
+    run = WarmUpRun(engine, [r for r in row_buckets(ROWS) if r > 1])
+    fresh = open_engine(model).engine
+    work = [
+        (prompt(9, 1), GenerationParams(mode="ar", max_tokens=12)),
+        (prompt(14, 2), GenerationParams(mode="wedlm", window=16, threshold=1.5, max_tokens=16)),
+    ]
+    steps = 0
+    while run.step():
+        steps += 1
+        if steps == 3:  # mid-bucket: the warm-up holds rows of its own in the store
+            assert len(engine.pipeline.runner.store) > 0
+            assert run_all(engine, work) == run_all(fresh, work)
+            while engine.in_flight:  # a look-ahead launched before the last rows ended
+                engine.step()
+    assert steps > 3 and run.done and not run.step()
+    store = engine.pipeline.runner.store
+    assert len(store) == 0  # every warm-up row released
+    assert engine.forwards > 0  # the request's forwards; the warm-up counts none
+    assert full.keys <= engine.shapes.seen  # one request's, the rest, and what work ran
+
+
+def test_startup_costs_run_the_background_warm_up_first_while_idle(model, monkeypatch):
+    """The server's idle work (StartupCosts) steps the background warm-up one forward at a
+    time once the engine has been idle, and then has nothing left to do."""
+    from coordinator.engine.warmup import WarmUpRun
+    from coordinator.service import startup_costs
+    from coordinator.service.startup_costs import StartupCosts
+
+    monkeypatch.setattr(startup_costs, "IDLE_BEFORE_S", 0.0)
+    engine = open_engine(model).engine
+    costs = StartupCosts(engine, key=lambda: None, rows=lambda: [], store=None)
+    run = WarmUpRun(engine, [2, 4])
+    costs.warm_in_background(run)
+    steps = 0
+    while costs.due() or costs.due():  # the first call after a change only notes the time
+        costs.step()
+        steps += 1
+    assert run.done and steps == run.warmer.forwards + 1  # the last step finds it done
+    assert run.warmer.forwards > 0
+    assert {r for r, _, _ in run.warmer.keys} == {2, 4}
+    assert len(engine.pipeline.runner.store) == 0

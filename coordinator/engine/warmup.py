@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -58,6 +58,11 @@ class WarmUpReport:
     keys: frozenset[ShapeKey] = frozenset()
 
 
+def row_buckets(most: int) -> list[int]:
+    """The row buckets of batches of 1..most rows."""
+    return sorted({row_bucket(n) for n in range(1, most + 1)})
+
+
 def warm_up(
     engine: Engine,
     max_rows: int | None = None,
@@ -81,12 +86,12 @@ def warm_up(
     assert not engine.in_flight, "warm up while no forward is in flight"
     started = time.perf_counter()
     warmer = _Warmer(engine)
-    most = max_rows or engine.shape_limits().max_rows
-    buckets = sorted({row_bucket(n) for n in range(1, most + 1)})
+    buckets = row_buckets(max_rows or engine.shape_limits().max_rows)
     said = started
     try:
         for i, r in enumerate(buckets):
-            warmer.bucket(r, spans, tuple(windows), prefill)
+            for _ in warmer.bucket(r, spans, tuple(windows), prefill):
+                pass
             if (now := time.perf_counter()) - said >= PROGRESS_EVERY_S:
                 said = now
                 log.info(
@@ -119,6 +124,67 @@ def warm_up(
         report.seconds,
     )
     return report
+
+
+class WarmUpRun:
+    """The rest of the bounded shape set, one forward per `step`, for a server to run on
+    the engine thread while it is idle (startup_costs.py): the row buckets above the first
+    ones, which only a burst of users reaches. A request that comes meanwhile waits for
+    one forward at most; its rows are a KV batch of their own in the stages (kv_store.py),
+    so the warm-up's rows, kept between steps, neither see nor disturb them."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        buckets: list[int],
+        spans: int = 2,
+        windows: Iterable[int] = (16,),
+        prefill: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.warmer = _Warmer(engine)
+        self.buckets = list(buckets)
+        self._args = (spans, tuple(windows), prefill)
+        self._current: Iterator[None] | None = None
+        self.seconds = 0.0  # spent in steps
+
+    @property
+    def done(self) -> bool:
+        return not self.buckets and self._current is None
+
+    def step(self) -> bool:
+        """One forward; False once the set is done (everything released). Call while the
+        engine has no forward in flight (its idle time)."""
+        assert not self.engine.in_flight, "the background warm-up runs while idle"
+        started = time.perf_counter()
+        try:
+            while not self.done:
+                if self._current is None:
+                    self._current = self.warmer.bucket(self.buckets[0], *self._args)
+                try:
+                    next(self._current)
+                    return True
+                except StopIteration:  # this bucket's shapes are done: its rows go
+                    self.buckets.pop(0)
+                    self._current = None
+                    self._release()
+            return False
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def close(self) -> None:
+        """Stop (the server stopping): the rows it holds are released."""
+        self.buckets, self._current = [], None
+        self._release()
+
+    def drop(self) -> None:
+        """Stop after a re-plan: its rows were in the old pipeline's stages."""
+        self.buckets, self._current, self.warmer.used = [], None, []
+
+    def _release(self) -> None:
+        if self.warmer.used:
+            used, self.warmer.used = self.warmer.used, []
+            self.engine.pipeline.release(used)
 
 
 def _bursts(engine: Engine, buckets: list[int], window: int, wedlm: bool) -> None:
@@ -154,24 +220,28 @@ class _Warmer:
         vocab = engine.config.vocab_size
         self.wedlm = 0 <= engine.config.mask_token_id < vocab  # else no WeDLM request runs
 
-    def bucket(self, rows: int, spans: int, windows: tuple[int, ...], prefill: bool) -> None:
+    def bucket(
+        self, rows: int, spans: int, windows: tuple[int, ...], prefill: bool
+    ) -> Iterator[None]:
+        """The forwards of one row bucket, one per `next` (a background warm-up runs one
+        at a time while the engine is idle)."""
         ids = [next(self.ids) for _ in range(rows)]
         self.used += ids
         lengths = np.zeros(rows, dtype=np.int64)
         if prefill:
-            self.prompts(ids, lengths)
+            yield from self.prompts(ids, lengths)
         if rows > 1:  # running sequences have KV lengths of their own (the scattered writes)
             keeps = np.arange(rows) % SETUP_WIDTH
-            self.run(ids, lengths, [_row(_AR, SETUP_WIDTH, keep=int(k)) for k in keeps])
+            yield self.run(ids, lengths, [_row(_AR, SETUP_WIDTH, keep=int(k)) for k in keeps])
         for span in range(spans):
             if span:
                 if lengths.max() + EXTEND_WIDTH > self.max_positions:
                     return
                 full = _row(_AR, EXTEND_WIDTH, keep=EXTEND_WIDTH)
-                self.run(ids, lengths, [full] * rows)
+                yield self.run(ids, lengths, [full] * rows)
             first = span == 0  # the sampling paths once per row bucket and head width
             if lengths.max() + 1 <= self.max_positions:
-                self.run(ids, lengths, [_row(_AR, 1, head=True)] * rows, sample=first)
+                yield self.run(ids, lengths, [_row(_AR, 1, head=True)] * rows, sample=first)
             for w in windows if self.wedlm else ():
                 params = GenerationParams(mode="wedlm", window=w, max_tokens=1)
                 widths = sorted({padded_width(w + p) for p in range(w + 1)})
@@ -180,9 +250,9 @@ class _Warmer:
                     if lengths.max() + w + p > self.max_positions:
                         break
                     plan = _wedlm_row(params, w, p)
-                    self.run(ids, lengths, [plan] * rows, sample=first and i == 0)
+                    yield self.run(ids, lengths, [plan] * rows, sample=first and i == 0)
 
-    def prompts(self, ids: list[int], lengths: np.ndarray) -> None:
+    def prompts(self, ids: list[int], lengths: np.ndarray) -> Iterator[None]:
         """Prompt chunks at start 0 (kept nowhere), for every padded width a prefill
         micro-batch of this many rows can have: one row, or padded rows x padded width
         within the prefill budget (the scheduler's rule)."""
@@ -199,9 +269,11 @@ class _Warmer:
             if rows > 1:
                 variants = [[t] + [shortest] * (rows - 1)]
             for widths in variants:
-                self.run(ids, lengths, [_row(_AR, w, head=True) for w in widths])
+                yield self.run(ids, lengths, [_row(_AR, w, head=True) for w in widths])
 
-    def run(self, ids: list[int], lengths: np.ndarray, rows: list[dict], sample: bool = False):
+    def run(
+        self, ids: list[int], lengths: np.ndarray, rows: list[dict], sample: bool = False
+    ) -> None:
         engine = self.engine
         plans = [
             RowPlan(seq=Sequence(sid, [0], row["params"], kv_length=int(n)), **row["plan"])

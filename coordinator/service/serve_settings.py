@@ -104,10 +104,11 @@ class ServeSettings:
     )
     warm_up: str = knob(
         "auto",
-        "run the first forward shapes once before readiness, so that the first requests "
-        "do not wait for kernel compilation (auto: on GPUs; MLX's CPU backend compiles "
-        "nothing per shape, so there auto only measures the draft break-even of a "
-        "pipeline of stages)",
+        "run the first forward shapes once, so that the first requests do not wait for "
+        "kernel compilation (auto: on GPUs, one request's shapes before readiness and "
+        "the larger batches' while the engine is idle; on: all of them before "
+        "readiness; MLX's CPU backend compiles nothing per shape, so there auto only "
+        "measures the draft break-even of a pipeline of stages)",
         what="run the first forward shapes before readiness: auto, on or off",
         choices=("auto", "on", "off"),
     )

@@ -52,7 +52,7 @@ from coordinator.engine.local_layers import LocalLayers
 from coordinator.engine.measured_costs import CostKey, MeasuredCosts
 from coordinator.engine.pipeline import StagePipeline
 from coordinator.engine.prefix_cache import PrefixCache
-from coordinator.engine.warmup import warm_up
+from coordinator.engine.warmup import WarmUpRun, row_buckets, warm_up
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.http_server import HttpServer
 from coordinator.model_source.fetch_progress import FetchProgress
@@ -71,6 +71,10 @@ from coordinator.service.stage_planner import PlanSettings, StagePlanner
 from coordinator.service.startup_costs import StartupCosts
 
 log = logging.getLogger(__name__)
+# Row counts warmed before readiness: a single user's. Warming every row bucket first took
+# 179 s on gpt-oss-20b's shape on an H200 (172 shapes; RESULTS.md, issue 60): the larger
+# batches' shapes now compile while the engine is idle after readiness.
+FIRST_WARM_ROWS = 1
 MODEL_SOURCE = "/wedlm.v1.ModelSource/"
 # the modes a request may name, by kind of model (the console's mode selector)
 MODES_OF = {"diffusion": ("auto", "diffusion"), "causal": ("auto", "wedlm", "ar", "speculative")}
@@ -407,8 +411,14 @@ class CoordinatorServer:
 
                 report = warm_up_diffusion(self.engine, max_rows=self.max_running)
             else:
+                # what one user reaches first before readiness; the larger batches'
+                # shapes while the engine is idle (a first burst compiles what it meets)
+                # (`--warm-up on` asks for all of them before readiness)
+                first = self.max_running if mode == "on" else FIRST_WARM_ROWS
                 log.info("warming up: running each first forward shape once (compiling it)")
-                report = warm_up(self.engine, max_rows=self.max_running, timing=False)
+                report = warm_up(self.engine, max_rows=first, timing=False)
+                rest = [r for r in row_buckets(self.max_running) if r > first]
+                self.costs.warm_in_background(WarmUpRun(self.engine, rest))
             self.metrics.forward_shapes.set(self.engine.shapes.count)
             log.info(
                 "warmed %d shapes in %.1f s (%d forwards)",

@@ -24,6 +24,7 @@ from coordinator.engine.auto_mode import auto_mode
 from coordinator.engine.engine import Engine
 from coordinator.engine.measured_costs import CostKey, MeasuredCosts
 from coordinator.engine.step_timing import StepCostRun, log_measured
+from coordinator.engine.warmup import WarmUpRun
 
 log = logging.getLogger(__name__)
 # On MLX's CPU backend through 2 stages every row bucket of a 32-row decode group took
@@ -53,6 +54,7 @@ class StartupCosts:
         self.auto_reason = ""  # why auto does not decode with the checkpoint's own mode
         self._pending: list[int] = []  # row buckets left to measure in the background
         self._run: StepCostRun | None = None
+        self._warm: WarmUpRun | None = None  # the warm-up's shapes left for idle time
         self._seen_forwards = -1
         self._idle_since = time.monotonic()
 
@@ -96,10 +98,15 @@ class StartupCosts:
         if self.auto_reason:
             log.warning("%s", self.auto_reason)
 
+    def warm_in_background(self, run: WarmUpRun) -> None:
+        """Compile these shapes while idle, before any background measurement (which
+        runs some of them)."""
+        self._warm = run if not run.done else None
+
     # ---- on the engine thread ----------------------------------------------------------
     def due(self) -> bool:
         """A background step should run now (the engine idle long enough)."""
-        if not self._pending and self._run is None:
+        if not self._pending and self._run is None and self._warm is None:
             return False
         now = time.monotonic()
         if self.engine.forwards != self._seen_forwards or self.engine.has_work:
@@ -108,7 +115,12 @@ class StartupCosts:
         return now - self._idle_since >= IDLE_BEFORE_S
 
     def step(self) -> None:
-        """One group of forwards of the background measurement (call while idle)."""
+        """One forward of the background warm-up, else one group of forwards of the
+        background measurement (call while idle)."""
+        if self._warm is not None:
+            self._warm_step(self._warm)
+            self._seen_forwards = self.engine.forwards
+            return
         try:
             if self._run is None:
                 log.info("idle: measuring the draft break-even of speculative requests")
@@ -122,8 +134,32 @@ class StartupCosts:
             self._pending = []
         self._seen_forwards = self.engine.forwards
 
+    def _warm_step(self, warm: WarmUpRun) -> None:
+        if not warm.warmer.forwards:
+            log.info(
+                "idle: compiling the shapes of larger batches in the background "
+                "(row counts %s; a request waits for one forward at most)",
+                ", ".join(map(str, warm.buckets)),
+            )
+        try:
+            more = warm.step()
+        except Exception as e:  # a stage lost meanwhile: serving finds it and re-plans
+            log.warning("the background warm-up stopped: %s", e)
+            warm.drop()
+            more = False
+        if not more:
+            self._warm = None
+            log.info(
+                "background warm-up: %d forwards, %d shapes (%d new) in %.1f s",
+                warm.warmer.forwards, len(warm.warmer.keys), warm.warmer.new, warm.seconds,
+            )  # fmt: skip
+
     def replanned(self) -> None:
-        """After a re-plan (engine thread): the old pipeline's figures may not hold."""
+        """After a re-plan (engine thread): the old pipeline's figures may not hold, and
+        its shapes are compiled as requests come (no warm-up holds them)."""
+        if self._warm is not None:
+            self._warm.drop()
+            self._warm = None
         if self._run is not None:
             self._run.close()
             self._run = None
@@ -136,6 +172,9 @@ class StartupCosts:
             self._pending = self._rows()
 
     def close(self) -> None:
+        if self._warm is not None:
+            self._warm.close()
+            self._warm = None
         if self._run is not None:
             self._run.close()
             self._run = None
