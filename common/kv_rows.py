@@ -9,6 +9,10 @@ and is overwritten by the next forward, never read (the attention mask hides it)
 With `kv_bits` set, keys and values are stored quantized (mlx's affine quantization along
 the head dimension: packed words, scales, biases) and attention runs through mlx-lm's
 quantized path, which it takes for any cache with `bits` and `group_size`.
+
+A hybrid family's recurrent layers (linear attention, Mamba) hold a LayerState instead
+(common/recurrent_rows.py): fixed-size state per row, gathered and kept with the rows,
+never quantized, and never rolled back (`state_at` says how far each row's state ran).
 """
 
 from __future__ import annotations
