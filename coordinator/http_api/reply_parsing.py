@@ -42,10 +42,7 @@ class ReplyStream:
         self._machine = self._state = None
         if syntax.think is not None and not syntax.harmony:
             self._machine, self._state = _think_machine(syntax, calling, in_reasoning)
-
-    @property
-    def has_reasoning(self) -> bool:
-        return self._harmony is not None or self._machine is not None
+        self._entering_call = False  # the last segment was reasoning: a "call" begins one
 
     def add(self, text: str) -> list[Piece]:
         if self._harmony is not None:
@@ -82,8 +79,6 @@ class ReplyStream:
                 out += self._answer(text)
             self._entering_call = name == "reasoning"
         return [p for p in out if p]
-
-    _entering_call = False
 
     def _answer(self, text: str) -> list[Piece]:
         if self._calls is None:
