@@ -23,7 +23,7 @@ from common.model_parts import load_model_parts, run_layers
 from common.proto_gen import wedlm_pb2 as pb
 from coordinator.cluster.cluster_setup import WorkerEntry, kv_bytes_per_layer, plan_stages
 from coordinator.cluster.layer_plan import PlanError, WorkerCapacity, plan_layers
-from tests.checkpoints import make_mlx_checkpoint
+from tests.checkpoints import make_mlx_checkpoint, mlx_lm_greedy
 
 GIB = 1 << 30
 DEEPSEEK = [1 * GIB] + [4 * GIB] * 7  # a dense first layer, then MoE layers
@@ -202,3 +202,25 @@ def test_the_cluster_plan_uses_each_layers_bytes(deepseek):
     plan = plan_stages(entries, config, 64, local=None)
     assert plan == {"w0": LayerRange(0, 1), "w1": LayerRange(2, 3)}
     assert json.loads((deepseek / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_glm_mtp_layer_is_neither_loaded_nor_counted_and_tokens_stay_mlx_lms(tmp_path):
+    """GLM-4.5 ships its multi-token-prediction layer as model.layers.N (N layers): mlx-lm's
+    sanitize drops it, and so does this engine's loader and planner; the greedy tokens of
+    the checkpoint with it equal mlx-lm's own."""
+    from coordinator.engine.local_engine import open_local_engine
+    from tests.test_mlx_families import MAX_TOKENS, PROMPTS, run
+
+    path = make_mlx_checkpoint(tmp_path / "glm", "glm4_moe", seed=3, num_nextn_predict_layers=1)
+    before = layer_weight_bytes(load_model_config(path))
+    tensors = dict(mx.load(str(path / "model.safetensors")))
+    mtp = {k.replace("layers.3.", "layers.4.", 1): v for k, v in tensors.items() if ".3." in k}
+    mtp["model.layers.4.eh_proj.weight"] = mx.zeros((64, 128))
+    mx.save_safetensors(str(path / "model.safetensors"), {**tensors, **mtp}, {"format": "mlx"})
+    config = load_model_config(path)
+    assert layer_weight_bytes(config) == before  # the MTP layer adds no bytes to plan
+    local = open_local_engine(path)
+    assert len(local.engine.parts.layers) == 4
+    prompt = local.tokenizer.encode(PROMPTS[0])
+    want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.model_stop_ids)
+    assert run(local, [prompt])[0].output == want and len(set(want)) > 2
