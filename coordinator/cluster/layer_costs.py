@@ -1,14 +1,19 @@
-"""Splitting layers of unequal cost between workers in order (layer_plan.py's case of a
-heterogeneous model: DeepSeek's dense first layers beside its MoE layers, Gemma 4's
-wide global layers beside its local ones).
+"""How a gap's layers are shared among consecutive workers (layer_plan.py decides which
+workers take which gap and says what does not fit).
 
-Each worker takes a contiguous run of layers whose bytes (weights plus KV reserve) fit
-its memory. Shares follow memory in bytes, not in layer counts: worker k's run ends at
-the layer boundary nearest to where the first k+1 workers' share of the memory would end
-it, among the ends that still leave a plan for the workers after it."""
+Layers of one size: counts in proportion to memory, each within the layers a worker has
+room for, by largest remainder (`apportion`). Layers of unequal cost (a heterogeneous
+model: DeepSeek's dense first layers beside its MoE layers, Gemma 4's wide global layers
+beside its local ones): each worker takes a contiguous run whose bytes (weights plus KV
+reserve) fit its memory, and worker k's run ends at the layer boundary nearest to where
+the first k+1 workers' share of the memory would end it, among the ends that still leave
+a plan for the workers after it (`split`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from fractions import Fraction
+from functools import cache
 from itertools import accumulate
 
 
@@ -57,3 +62,63 @@ def split(costs: list[int], room: list[int], memory: list[int]) -> list[int]:
         first = end
     shares.append(len(costs) - first)
     return shares
+
+
+def group(
+    lengths: tuple[int, ...],
+    loads: tuple[int, ...],
+    memory: tuple[int, ...],
+    fits: Callable[[int, int, int], bool],
+):
+    """Sizes of consecutive worker groups, one per gap (of `lengths` layers), minimising
+    the largest load (layers or bytes) per byte of any group's memory; None when no
+    grouping fits. fits(gap, first, end): workers first..end-1 can hold that gap."""
+
+    @cache
+    def best(gap: int, first: int) -> tuple[Fraction, tuple[int, ...]] | None:
+        if gap == len(lengths):
+            return (Fraction(0), ()) if first == len(memory) else None
+        found = None
+        last = len(memory) - (len(lengths) - gap - 1)  # leave a worker for each later gap
+        for end in range(first + 1, min(last, first + lengths[gap]) + 1):
+            if not fits(gap, first, end) or (rest := best(gap + 1, end)) is None:
+                continue
+            load = max(Fraction(loads[gap], sum(memory[first:end])), rest[0])
+            if found is None or load < found[0]:
+                found = (load, (end - first, *rest[1]))
+        return found
+
+    result = best(0, 0)
+    return None if result is None else list(result[1])
+
+
+def apportion(total: int, weights: list[int], caps: list[int]) -> list[int]:
+    """Split `total` in proportion to `weights`, each share between 1 and its cap, by
+    largest remainder (ties to the earlier worker). Needs len <= total <= sum(caps)."""
+    quotas = _quotas(total, weights, caps)
+    shares = [q.numerator // q.denominator for q in quotas]
+    by_remainder = sorted(range(len(quotas)), key=lambda i: (shares[i] - quotas[i], i))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1  # a fractional quota is below its integer cap, so this stays in bounds
+    return shares
+
+
+def _quotas(total: int, weights: list[int], caps: list[int]) -> list[Fraction]:
+    """Exact quotas clip(lam * weight, 1, cap) summing to `total`: the sum is piecewise linear
+    and nondecreasing in lam, so find the piece that holds `total` and solve on it."""
+    pairs = list(zip(weights, caps, strict=True))
+
+    def at(lam: Fraction) -> list[Fraction]:
+        return [min(max(lam * w, Fraction(1)), Fraction(c)) for w, c in pairs]
+
+    bends = sorted({Fraction(1, w) for w, _ in pairs} | {Fraction(c, w) for w, c in pairs})
+    lo = Fraction(0)
+    hi = bends[-1]
+    for bend in bends:
+        if sum(at(bend)) >= total:
+            hi = bend
+            break
+        lo = bend
+    f_lo, f_hi = sum(at(lo)), sum(at(hi))
+    lam = lo if f_hi == f_lo else lo + (hi - lo) * (total - f_lo) / (f_hi - f_lo)
+    return at(lam)

@@ -30,10 +30,8 @@ caller decides it (a static list first, then the discovered workers sorted by ad
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from fractions import Fraction
-from functools import cache
 
 from common.errors import WedlmError
 from common.layer_range import LayerRange
@@ -186,14 +184,18 @@ def _fill(
             f"more memory ({missing} layers' worth) is missing"
         )
     lengths = tuple(len(g) for g in gaps)
-    sizes = _group(lengths, lengths, tuple(memory), lambda g, a, b: sum(room[a:b]) >= lengths[g])
+    sizes = layer_costs.group(
+        lengths, lengths, tuple(memory), lambda g, a, b: sum(room[a:b]) >= lengths[g]
+    )
     if sizes is None:
         raise PlanError(_no_grouping(who, where))
     shares: list[int] = []
     first = 0
     for gap, size in zip(gaps, sizes, strict=True):
         workers = range(first, first + size)
-        shares += _apportion(len(gap), [memory[i] for i in workers], [room[i] for i in workers])
+        shares += layer_costs.apportion(
+            len(gap), [memory[i] for i in workers], [room[i] for i in workers]
+        )
         first += size
     return _ranges(gaps, sizes, shares, free)
 
@@ -229,7 +231,7 @@ def _fill_bytes(
             f"but {who} have {_size(have)}; about {_size(need - have)} more memory is missing"
         )
     runs = [[cost[i] for i in g] for g in gaps]
-    sizes = _group(
+    sizes = layer_costs.group(
         tuple(len(g) for g in gaps),
         tuple(sum(r) for r in runs),
         tuple(memory),
@@ -271,66 +273,6 @@ def _ranges(
             start += shares[worker]
             worker += 1
     return plan
-
-
-def _group(
-    lengths: tuple[int, ...],
-    loads: tuple[int, ...],
-    memory: tuple[int, ...],
-    fits: Callable[[int, int, int], bool],
-):
-    """Sizes of consecutive worker groups, one per gap (of `lengths` layers), minimising
-    the largest load (layers or bytes) per byte of any group's memory; None when no
-    grouping fits. fits(gap, first, end): workers first..end-1 can hold that gap."""
-
-    @cache
-    def best(gap: int, first: int) -> tuple[Fraction, tuple[int, ...]] | None:
-        if gap == len(lengths):
-            return (Fraction(0), ()) if first == len(memory) else None
-        found = None
-        last = len(memory) - (len(lengths) - gap - 1)  # leave a worker for each later gap
-        for end in range(first + 1, min(last, first + lengths[gap]) + 1):
-            if not fits(gap, first, end) or (rest := best(gap + 1, end)) is None:
-                continue
-            load = max(Fraction(loads[gap], sum(memory[first:end])), rest[0])
-            if found is None or load < found[0]:
-                found = (load, (end - first, *rest[1]))
-        return found
-
-    result = best(0, 0)
-    return None if result is None else list(result[1])
-
-
-def _apportion(total: int, weights: list[int], caps: list[int]) -> list[int]:
-    """Split `total` in proportion to `weights`, each share between 1 and its cap, by
-    largest remainder (ties to the earlier worker). Needs len <= total <= sum(caps)."""
-    quotas = _quotas(total, weights, caps)
-    shares = [q.numerator // q.denominator for q in quotas]
-    by_remainder = sorted(range(len(quotas)), key=lambda i: (shares[i] - quotas[i], i))
-    for i in by_remainder[: total - sum(shares)]:
-        shares[i] += 1  # a fractional quota is below its integer cap, so this stays in bounds
-    return shares
-
-
-def _quotas(total: int, weights: list[int], caps: list[int]) -> list[Fraction]:
-    """Exact quotas clip(lam * weight, 1, cap) summing to `total`: the sum is piecewise linear
-    and nondecreasing in lam, so find the piece that holds `total` and solve on it."""
-    pairs = list(zip(weights, caps, strict=True))
-
-    def at(lam: Fraction) -> list[Fraction]:
-        return [min(max(lam * w, Fraction(1)), Fraction(c)) for w, c in pairs]
-
-    bends = sorted({Fraction(1, w) for w, _ in pairs} | {Fraction(c, w) for w, c in pairs})
-    lo = Fraction(0)
-    hi = bends[-1]
-    for bend in bends:
-        if sum(at(bend)) >= total:
-            hi = bend
-            break
-        lo = bend
-    f_lo, f_hi = sum(at(lo)), sum(at(hi))
-    lam = lo if f_hi == f_lo else lo + (hi - lo) * (total - f_lo) / (f_hi - f_lo)
-    return at(lam)
 
 
 def _span(lo: int, hi: int) -> str:
