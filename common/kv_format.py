@@ -48,13 +48,21 @@ class KVFormat:
         return self.bits is not None
 
     def check(self, config: ModelConfig) -> None:
-        """Refuse a group size that does not divide the model's head dimension."""
-        dim = head_dim(config)
-        if self.quantized and dim % self.group_size:
+        """Refuse a group size that does not divide every row the layers store (their
+        head dimension; MLA's latent and rope key widths)."""
+        if not self.quantized:
+            return
+        from common.layer_kv import kv_token_shapes
+
+        stored = {dim for shape in kv_token_shapes(config) for _, dim in shape}
+        dims = sorted(stored or {head_dim(config)})
+        if any(dim % self.group_size for dim in dims):
+            fits = [g for g in KV_GROUP_SIZES if all(dim % g == 0 for dim in dims)]
+            what = "head dimension" if len(dims) == 1 else "stored widths"
             raise WedlmError(
-                f"kv group size {self.group_size} does not divide this model's head "
-                f"dimension {dim}: choose one of "
-                f"{', '.join(str(g) for g in KV_GROUP_SIZES if dim % g == 0) or 'none'}"
+                f"kv group size {self.group_size} does not divide this model's {what} "
+                f"{', '.join(map(str, dims))}: choose one of "
+                f"{', '.join(map(str, fits)) or 'none'}"
             )
 
     def bytes_per_token(

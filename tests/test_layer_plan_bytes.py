@@ -224,3 +224,21 @@ def test_glm_mtp_layer_is_neither_loaded_nor_counted_and_tokens_stay_mlx_lms(tmp
     prompt = local.tokenizer.encode(PROMPTS[0])
     want = mlx_lm_greedy(path, prompt, MAX_TOKENS, local.engine.model_stop_ids)
     assert run(local, [prompt])[0].output == want and len(set(want)) > 2
+
+
+def test_a_kv_group_size_is_checked_against_what_the_layers_store(tmp_path):
+    """MLA stores rows of kv_lora_rank and qk_rope_head_dim, not head_dim: the group size
+    is checked against those; mlx-lm's MLA attention then cannot read quantized rows,
+    which the start refuses in one line naming the family."""
+    from common.errors import WedlmError
+    from common.layer_runner import LayerRunner
+
+    path = make_mlx_checkpoint(
+        tmp_path / "ds", "deepseek_v3", seed=3, kv_lora_rank=64, qk_rope_head_dim=32
+    )
+    config = load_model_config(path)
+    KVFormat(bits=8, group_size=32).check(config)  # head_dim 16 alone would refuse 32
+    with pytest.raises(WedlmError, match=r"stored widths 32, 64: choose one of 32$"):
+        KVFormat(bits=8, group_size=64).check(config)
+    with pytest.raises(WedlmError, match="deepseek_v3 cannot keep its KV quantized"):
+        LayerRunner(load_model_parts(path), KVFormat(bits=8, group_size=32))
