@@ -6,11 +6,9 @@ import math
 from dataclasses import dataclass, field
 
 from common.errors import InvalidRequest
+from common.modes import MODES, Mode
 
-# "auto": the served model's own decoding (diffusion for a diffusion model, wedlm for a
-# WeDLM-trained checkpoint, else ar: ModelConfig.default_mode); the engine resolves it
-# when a request arrives.
-MODES = ("auto", "wedlm", "ar", "speculative", "diffusion")
+# MODES (the modes as plain strings) and Mode are common/modes.py's, imported from here too
 # Diffusion mode's samplers: mlx-vlm's reference sampler exactly ("faithful"), or the
 # faster one (exact top-K, top-K self-conditioning, two-stage confidence schedule, repair
 # pass, EOS tail-drop, repeat guard: coordinator/engine/diffusion/turbo.py).
@@ -28,7 +26,8 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's 
 
 @dataclass(frozen=True)
 class GenerationParams:
-    mode: str = "auto"  # MODES; "auto" is resolved by the engine (engine.resolve_mode)
+    # a Mode or its string; "auto" is resolved by the engine (engine.resolve_mode)
+    mode: str = Mode.AUTO
     window: int = 16
     threshold: float | None = 0.4  # None: one-by-one mode (fill only the argmin slot)
     penalty: float = 0.02
@@ -69,9 +68,10 @@ class GenerationParams:
             raise bad(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.draft not in DRAFT_SOURCES:
             raise bad(f"draft must be one of {', '.join(DRAFT_SOURCES)}, got {self.draft!r}")
-        if self.draft != "auto" and self.mode != "speculative":
+        if self.draft != "auto" and self.mode != Mode.SPECULATIVE:
             raise bad(
-                f"draft {self.draft!r} applies to mode speculative only (mode is {self.mode!r})"
+                f"draft {self.draft!r} applies to mode speculative only "
+                f"(mode is {str(self.mode)!r})"  # str: a member's repr is not its word
             )
         if self.sampler not in DIFFUSION_SAMPLERS:
             raise bad(
@@ -125,9 +125,9 @@ class GenerationParams:
         """The most rows one forward of this request writes past its committed KV: AR feeds
         its last token; WeDLM a window of W plus the p slots it commits; speculative mode
         up to W pending committed tokens, W - 1 drafts and W mask slots."""
-        if self.mode == "diffusion":
+        if self.mode == Mode.DIFFUSION:
             return 0  # canvases: the diffusion scheduler counts them (it knows their length)
-        rows = {"ar": 1, "wedlm": 2 * self.window, "speculative": 3 * self.window}
+        rows = {Mode.AR: 1, Mode.WEDLM: 2 * self.window, Mode.SPECULATIVE: 3 * self.window}
         return rows.get(self.mode, 2 * self.window)  # "auto": as wedlm until resolved
 
     @property

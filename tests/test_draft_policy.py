@@ -11,16 +11,18 @@ import pytest
 from common.generation_params import GenerationParams
 from coordinator.engine.ar_ahead import next_plans
 from coordinator.engine.draft_policy import (
-    PROBE_EVERY,
-    PROBE_MAX,
     adapt_draft_limit,
     batch_rooms,
     draft_room,
-    probe_ends,
     settle_shadow,
+)
+from coordinator.engine.draft_state import PROBE_EVERY, PROBE_MAX
+from coordinator.engine.row_plan import (
+    RowPlan,
+    plan_speculative,
+    probe_ends,
     unchanged_by_postprocess,
 )
-from coordinator.engine.row_plan import RowPlan, plan_speculative
 from coordinator.engine.sequence import Phase, Sequence
 from coordinator.engine.step_cost import AR, DRAFT, ONLINE_MIN, StepCost
 

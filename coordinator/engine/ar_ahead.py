@@ -4,7 +4,7 @@ from the device, as mlx-lm does).
 
 A row qualifies when what t commits cannot change its next forward's shape: an AR row; a
 speculative row that ran one row and whose draft state its postprocess leaves as it was
-(draft_policy.unchanged_by_postprocess); a mask probe (draft_policy.probe_ends), whose next
+(row_plan.unchanged_by_postprocess); a mask probe (row_plan.probe_ends), whose next
 forward is one row. The next forward carries mask slots only for probes with mask drafts
 (a probe needs no token of t's beyond the one fed: its slots are masks), so probes ride
 the chain too. A batch whose rows would carry drafts of their own (a spell, or rows held
@@ -14,13 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from coordinator.engine.draft_policy import (
-    batch_rooms,
-    draft_room,
-    probe_ends,
-    unchanged_by_postprocess,
-)
-from coordinator.engine.row_plan import RowPlan
+from coordinator.engine.draft_policy import batch_rooms, draft_room
+from coordinator.engine.row_plan import RowPlan, probe_ends, unchanged_by_postprocess
 from coordinator.engine.sequence import Phase, Sequence
 
 

@@ -46,28 +46,12 @@ the output is AR's whatever the batch decides."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from common.modes import Mode
+from coordinator.engine.draft_state import PROBE_EVERY, PROBE_MAX
+from coordinator.engine.sequence import Sequence
 
-if TYPE_CHECKING:
-    from coordinator.engine.row_plan import RowPlan
-    from coordinator.engine.sequence import Sequence
-
-PROBE_EVERY = 8  # forwards from drafts turning off to the first probe
-PROBE_MAX = 128  # the longest gap between probes
 PROBE_DRAFTS = 1
 GAIN_WEIGHT = 0.3  # of the newest drafting forward in the gain's EMA
-
-
-@dataclass
-class DraftState:
-    gain: float | None = None  # EMA of tokens committed per drafting forward (this spell)
-    gap: int = PROBE_EVERY  # forwards between probes while drafts are off
-    next_probe: int = 0  # the forward number (Sequence.forwards) of the next probe
-    paid: bool = True  # drafting paid since it last resumed (the first spell counts as paid)
-    # a mask probe's confident guess, checked when the output reaches its index:
-    # (output index, token)
-    shadow: tuple[int, int] | None = None
 
 
 def adapt_draft_limit(
@@ -185,11 +169,11 @@ def batch_rooms(seqs: list[Sequence], break_even: float, ahead: int = 0) -> list
     slot = _probe_slot(seqs, ahead)
     rooms, value, explore = [], 0.0, False
     for seq in seqs:
-        room = draft_room(seq, break_even, ahead) if seq.params.mode == "speculative" else 0
+        room = draft_room(seq, break_even, ahead) if seq.params.mode == Mode.SPECULATIVE else 0
         if room and _waits(seq, ahead) and not slot:
             room = 0
         rooms.append(room)
-        explore |= seq.params.mode == "wedlm"  # a wide forward anyway: drafts cost nothing
+        explore |= seq.params.mode == Mode.WEDLM  # a wide forward anyway: drafts cost nothing
         gain = seq.draft_state.gain
         if not room:
             value += 1.0
@@ -221,30 +205,3 @@ def _waits(seq: Sequence, ahead: int) -> bool:
     if seq.draft_limit is None or (seq.drafts.size and not ahead):
         return False
     return seq.draft_limit == 0 or seq.draft_state.gain is None
-
-
-def unchanged_by_postprocess(plan: RowPlan, break_even: float = 1.0) -> bool:
-    """Whether a speculative row, read back but not yet postprocessed, ran one row (no
-    drafts, no mask slots) that leaves its draft state as it was: drafts off, or held back
-    by its batch. The next forward's decision (batch_rooms with ahead=1) is then known
-    before the postprocess, and may be AR's look-ahead (engine._launch_ahead)."""
-    seq = plan.seq
-    if plan.width != 1:
-        return False
-    return plan.held or seq.draft_limit == 0 or not can_pay(seq, break_even)
-
-
-def probe_ends(plan: RowPlan) -> bool:
-    """Whether a speculative row, read back but not yet postprocessed, was a mask probe (one
-    pending token, mask slots, drafts off): its postprocess commits one token and leaves
-    drafts off, its next probe PROBE_EVERY or more forwards away, so its next forward is
-    one row (engine._launch_ahead launches it before the postprocess)."""
-    seq = plan.seq
-    return (
-        seq.params.draft == "mask"
-        and seq.draft_limit == 0
-        and plan.keep == 1
-        and plan.drafts == 0
-        and plan.width > 1
-        and not plan.held
-    )

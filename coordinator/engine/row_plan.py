@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.engine.draft_policy import (  # noqa: F401 (PROBE_EVERY: the policy's)
-    PROBE_EVERY,
+from common.modes import Mode
+from coordinator.engine.draft_policy import (  # noqa: F401 (batch_rooms, draft_room: re-exported)
     adapt_draft_limit,
     batch_rooms,
+    can_pay,
     draft_room,
     settle_shadow,
 )
+from coordinator.engine.draft_state import PROBE_EVERY  # noqa: F401 (the policy's, re-exported)
 from coordinator.engine.prompt_lookup import prompt_lookup
 from coordinator.engine.sequence import Phase, Sequence
 
@@ -91,7 +93,7 @@ def _prefill_rows(
         if opening is not None:
             return opening
     # AR and speculative mode take their first token from the last prompt row
-    wants_head = last and seq.params.mode != "wedlm" and not seq.rebuild_to
+    wants_head = last and seq.params.mode != Mode.WEDLM and not seq.rebuild_to
     head = np.array([tokens.size - 1]) if wants_head else _NONE
     return RowPlan(
         seq=seq,
@@ -124,7 +126,7 @@ def plan_opening(
     mode = seq.params.mode
     if not chunk_tokens.size:
         return None  # nothing left to run (not expected: a cache hit leaves one row)
-    if mode == "wedlm":
+    if mode == Mode.WEDLM:
         c, w = chunk_tokens.size, seq.params.window
         if c + w > chunk or seq.kv_length + c + w > max_positions:
             return None
@@ -137,7 +139,7 @@ def plan_opening(
             head_is_mask=np.ones(w, dtype=bool),
             opens=True,
         )
-    if mode != "speculative" or seq.params.draft != "mask" or seq.draft_limit is not None:
+    if mode != Mode.SPECULATIVE or seq.params.draft != "mask" or seq.draft_limit is not None:
         return None  # only a new request's first exploration (draft_policy.py)
     plan = plan_speculative(
         seq, mask_token_id, max_positions, "mask", break_even, pending=chunk_tokens
@@ -292,9 +294,9 @@ def plan_next(
     """`room`: a speculative row's drafts as its batch decided (plan_speculative)."""
     if seq.phase in (Phase.WAITING, Phase.PREFILL):
         return plan_prefill(seq, prefill_chunk, mask_token_id, max_positions, break_even)
-    if seq.params.mode == "wedlm":
+    if seq.params.mode == Mode.WEDLM:
         return plan_wedlm(seq, mask_token_id)
-    if seq.params.mode == "speculative":
+    if seq.params.mode == Mode.SPECULATIVE:
         source = seq.params.draft
         return plan_speculative(seq, mask_token_id, max_positions, source, break_even, room)
     return plan_autoregressive(seq)
@@ -317,20 +319,49 @@ def apply_result(
         if seq.rebuild_to:  # history rebuilt: decoding resumes where it stopped
             seq.rebuild_to = 0
             return [], Phase.DECODE
-        if seq.params.mode == "wedlm":  # prefill logits are discarded
+        if seq.params.mode == Mode.WEDLM:  # prefill logits are discarded
             w = seq.params.window
             seq.window_tokens = np.zeros(w, dtype=np.int32)
             seq.window_filled = np.zeros(w, dtype=bool)
             if not plan.opens:
                 return [], Phase.DECODE
     seq.forwards += 1
-    if seq.params.mode == "wedlm":
+    if seq.params.mode == Mode.WEDLM:
         end = seq.commit(plan.commits)
         window = plan.width - plan.head_slots.size  # where the window starts: p, or the chunk
         seq.window_tokens = np.where(fills, tokens, plan.tokens[window:]).astype(np.int32)
         seq.window_filled = plan.filled[window:] | fills
-    elif seq.params.mode == "speculative" and (decoding or plan.opens):
+    elif seq.params.mode == Mode.SPECULATIVE and (decoding or plan.opens):
         end = seq.commit(accept_speculative(plan, fills, tokens, break_even))
     else:
         end = seq.commit([int(tokens[0])])
     return seq.output[before:], end or Phase.DECODE
+
+
+# The two predicates below read a plan and the draft policy: here, not in draft_policy.py
+# (which row_plan imports), so the two modules import each other in one direction only.
+def unchanged_by_postprocess(plan: RowPlan, break_even: float = 1.0) -> bool:
+    """Whether a speculative row, read back but not yet postprocessed, ran one row (no
+    drafts, no mask slots) that leaves its draft state as it was: drafts off, or held back
+    by its batch. The next forward's decision (batch_rooms with ahead=1) is then known
+    before the postprocess, and may be AR's look-ahead (engine._launch_ahead)."""
+    seq = plan.seq
+    if plan.width != 1:
+        return False
+    return plan.held or seq.draft_limit == 0 or not can_pay(seq, break_even)
+
+
+def probe_ends(plan: RowPlan) -> bool:
+    """Whether a speculative row, read back but not yet postprocessed, was a mask probe (one
+    pending token, mask slots, drafts off): its postprocess commits one token and leaves
+    drafts off, its next probe PROBE_EVERY or more forwards away, so its next forward is
+    one row (engine._launch_ahead launches it before the postprocess)."""
+    seq = plan.seq
+    return (
+        seq.params.draft == "mask"
+        and seq.draft_limit == 0
+        and plan.keep == 1
+        and plan.drafts == 0
+        and plan.width > 1
+        and not plan.held
+    )

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from common.generation_params import GenerationParams
-from coordinator.engine.draft_policy import DraftState
+from coordinator.engine.draft_state import DraftState
 from coordinator.engine.prefix_cache import PrefixHit
 
 

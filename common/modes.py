@@ -1,0 +1,25 @@
+"""The decoding modes, declared once: the schemas, the CLIs, the request validation and the
+engine all take their lists and their comparisons from here. A `StrEnum`, so a member
+equals its string ("ar" == Mode.AR) and JSON, protobuf and existing strings keep working."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Mode(StrEnum):
+    # the served model's own decoding (diffusion for a diffusion model, wedlm for a
+    # WeDLM-trained checkpoint, else ar: ModelConfig.default_mode); the engine resolves it
+    # when a request arrives
+    AUTO = "auto"
+    WEDLM = "wedlm"  # WeDLM streaming parallel decoding (mask slots filled per forward)
+    AR = "ar"  # plain autoregressive decoding
+    SPECULATIVE = "speculative"  # drafts verified by one forward: AR's output exactly
+    DIFFUSION = "diffusion"  # block diffusion: whole canvases denoised
+
+
+# Plain strings (not members) in the declared order: argparse's messages and the errors
+# that list them print them as they always did.
+MODES: tuple[str, ...] = tuple(m.value for m in Mode)
+DIFFUSION_MODES: tuple[str, ...] = (Mode.AUTO.value, Mode.DIFFUSION.value)  # a diffusion model's
+CAUSAL_MODES: tuple[str, ...] = tuple(m for m in MODES if m != Mode.DIFFUSION)  # a causal one's
