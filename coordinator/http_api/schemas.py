@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.generation_params import MAX_TOP_LOGPROBS
+from common.modes import MODES
 
 MAX_CHOICES = 16  # n: choices per request (each its own sequence; one prompt prefill)
 # completions: prompts in one request, times n (each choice a sequence, batched together)
@@ -81,7 +82,7 @@ class GenerationFields(_Body):
     logit_bias: dict[str, float] | None = None
     repetition_penalty: float | None = Field(default=None, allow_inf_nan=False)  # vLLM's
     # WeDLM and sampling extras (extra_body)
-    mode: Literal["auto", "wedlm", "ar", "speculative", "diffusion"] | None = None
+    mode: Literal[MODES] | None = None  # common/modes.py's words, in their order
     sampler: Literal["turbo", "faithful"] | None = None  # diffusion mode
     steps: int | None = None  # diffusion mode: denoising steps per canvas at most
     draft: Literal["auto", "mask", "lookup", "model"] | None = None

@@ -35,6 +35,7 @@ from common.layer_runner import RowsError
 from common.layer_sizes import compute_dtype, kv_bytes_per_token
 from common.mlx_thread_exit import release_mlx_thread
 from common.model_parts import load_model_parts
+from common.modes import CAUSAL_MODES, DIFFUSION_MODES
 from common.proto_gen import wedlm_pb2 as pb
 from common.recurrent_rows import model_state_bytes
 from common.tensor_group.spec import check_tp_flag
@@ -77,7 +78,7 @@ log = logging.getLogger(__name__)
 FIRST_WARM_ROWS = 1
 MODEL_SOURCE = "/wedlm.v1.ModelSource/"
 # the modes a request may name, by kind of model (the console's mode selector)
-MODES_OF = {"diffusion": ("auto", "diffusion"), "causal": ("auto", "wedlm", "ar", "speculative")}
+MODES_OF = {"diffusion": DIFFUSION_MODES, "causal": CAUSAL_MODES}
 STOP_TIMEOUT_S = 60.0  # for the engine thread's tick in progress, at stop
 STARTING_WORDS = {  # each state before readiness, in words (CoordinatorServer.doing)
     "waiting-for-workers": "waiting for the workers to answer",
