@@ -54,7 +54,7 @@ def run_local(args: argparse.Namespace) -> int:
     cluster = f"local-{secrets.token_hex(4)}"  # never join or take workers of another cluster
     secret = args.secret or secrets.token_hex(16)
     logs = Path(tempfile.mkdtemp(prefix="wedlm-local-"))
-    tls = load_tls(args.tls_cert, args.tls_key, args.tls_ca)  # checked before starting
+    load_tls(args.tls_cert, args.tls_key, args.tls_ca)  # checked before starting workers
     tls_flags = [
         f"--{flag}={value}"
         for flag, value in (
@@ -80,7 +80,6 @@ def run_local(args: argparse.Namespace) -> int:
             expect=args.workers,
             # A local cluster's name is new each run: keep jobs only where asked to.
             state_dir=args.state_dir if str(args.state_dir or "none") != "none" else None,
-            tls=tls,
         )
         # the coordinator loads its parts while the workers start (each its own process)
         with still_working(say, "loading the model's embedding, head and tokenizer"):

@@ -1,5 +1,7 @@
 """ServeOptions from the parsed flags that `serve` and `local` share (server_cli.py,
-local_cluster.py both use it; it imports neither)."""
+local_cluster.py both use it; it imports neither). Each setting's flag has its field's name
+(its `dest`), so the options are read field by field: nothing here names a setting but the
+few whose value is resolved (the model folders, the state folder)."""
 
 from __future__ import annotations
 
@@ -7,9 +9,15 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from common.kv_format import KVFormat
-from coordinator.engine.limits import Limits, knobs
+from coordinator.engine.limits import Limits
+from coordinator.engine.limits import knobs as limit_knobs
+from coordinator.knobs import knobs
+from coordinator.service.serve_settings import ServeSettings
+
+if TYPE_CHECKING:
+    from coordinator.service.server import ServeOptions
 
 
 def state_dir(flag: Path | None) -> Path | None:
@@ -21,38 +29,20 @@ def state_dir(flag: Path | None) -> Path | None:
     return Path(base) / "wedlm-cluster"
 
 
-def serve_options(args: argparse.Namespace, **fixed):
-    """ServeOptions from the flags `serve` and `local` share, plus `fixed` ones."""
-    from common.tls import load_tls
+def serve_options(args: argparse.Namespace, **fixed) -> ServeOptions:
+    """ServeOptions from the settings' flags (`local` has no serve-only ones: their defaults),
+    with `fixed` ones in place of the flags'."""
     from coordinator.engine.local_engine import resolve_model
     from coordinator.service.server import ServeOptions
 
-    shared = dict(
-        host=args.host,
-        port=args.port,
-        cluster=args.cluster,
-        secret=args.secret,
-        max_running=args.max_running,
-        limits=Limits(**{f.name: getattr(args, f.name) for f, _ in knobs()}),
-        micro_batches=args.micro_batches or 0,
-        tp=args.tp,
-        metrics_port=args.metrics_port,
-        wait_timeout_s=args.wait_timeout,
-        kv_reserve_tokens=args.kv_reserve_tokens,
-        keep_finished=args.keep_finished,
-        local_layers=args.local_layers,
-        warm_up=args.warm_up,
-        layers=args.layers,
-        tls=load_tls(args.tls_cert, args.tls_key, args.tls_ca),
-        http_port=args.http_port,
-        api_key=args.api_key or None,
-        served_model_name=args.served_model_name,
-        draft_model=resolve_model(args.draft_model) if args.draft_model else None,
-        kv=KVFormat(args.kv_bits, args.kv_group_size),
-        prefix_cache=args.prefix_cache,
-        prefix_cache_tokens=args.prefix_cache_tokens,
-        default_max_tokens=args.default_max_tokens,
-        max_request_bytes=args.max_request_bytes,
-        cors_origins=tuple(args.cors_origins or ()),
-    )
-    return ServeOptions(**{**shared, **fixed})
+    serve = getattr(args, "command", "serve") == "serve"
+    values = {
+        f.name: getattr(args, f.name) for f, k in knobs(ServeSettings) if serve or not k.serve_only
+    }
+    values["state_dir"] = state_dir(args.state_dir)
+    values["limits"] = Limits(**{f.name: getattr(args, f.name) for f, _ in limit_knobs()})
+    values.update(fixed)
+    for name in ("model", "draft_model"):  # a folder, 'default' or a hub id: its folder
+        if isinstance(values[name], str) and values[name]:
+            values[name] = resolve_model(values[name])
+    return ServeOptions(**values)

@@ -1,7 +1,8 @@
 """The settings of `wedlm-coordinator serve` (and `local`), each declared once as a field
 with its default, bounds and help (a `Knob`, coordinator/knobs.py): server_cli.py makes the
 flags and serve_config.py reads the TOML keys from these fields and from the scheduler's
-`Limits`. serve_args.py turns the values into the server's `ServeOptions`."""
+`Limits`. The server's `ServeOptions` (server.py) is these fields plus what only code sets;
+serve_args.py fills it from the parsed flags, field by field."""
 
 from __future__ import annotations
 

@@ -29,8 +29,7 @@ from common.grpc_services import (
     add_service,
     enable_reflection,
 )
-from common.kv_format import FULL, KVFormat
-from common.layer_range import LayerRange
+from common.kv_format import KVFormat
 from common.layer_runner import RowsError
 from common.layer_sizes import compute_dtype, kv_bytes_per_token
 from common.mlx_thread_exit import release_mlx_thread
@@ -39,7 +38,7 @@ from common.modes import CAUSAL_MODES, DIFFUSION_MODES
 from common.proto_gen import wedlm_pb2 as pb
 from common.recurrent_rows import model_state_bytes
 from common.tensor_group.spec import check_tp_flag
-from common.tls import TlsConfig, bind
+from common.tls import TlsConfig, bind, load_tls
 from common.tokenizer import Tokenizer
 from coordinator.cluster.cluster_setup import LOCAL, WorkerEntry
 from coordinator.cluster.discovery import WorkerBrowser, shortfall
@@ -104,47 +103,26 @@ def source_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-_SETTINGS = ServeSettings()  # the settings' defaults (declared once, in serve_settings.py)
-
-
 @dataclass
-class ServeOptions:
-    """What the server runs with: the settings (ServeSettings, made into these by
-    serve_args.py) and what only code sets. Defaults are the settings' own."""
+class ServeOptions(ServeSettings):
+    """What the server runs with: every setting is a field of ServeSettings (declared once,
+    with its flag, TOML key and default), filled from the flags and the TOML file by
+    serve_args.py. Declared here: the settings' resolved forms and what only code sets."""
 
-    model: Path
-    host: str = _SETTINGS.host
-    port: int = _SETTINGS.port
-    cluster: str = _SETTINGS.cluster
-    secret: str | None = None
-    workers: list[str] = field(default_factory=list)
-    expect: int = _SETTINGS.expect  # workers to wait for before the first plan
-    bonjour: bool = _SETTINGS.bonjour
-    local_layers: bool = _SETTINGS.local_layers  # the coordinator holds the first layers itself
-    warm_up: str = _SETTINGS.warm_up  # run the first shapes once before readiness (auto: GPUs)
-    layers: LayerRange | None = None  # ... exactly these (--layers; must start at 0)
-    max_running: int | None = None  # None: sized to memory once planned (running_limit.py)
+    model: Path  # the model's folder (the setting's folder or hub id, resolved)
+    draft_model: Path | None = None  # its folder (resolved like the model's)
     limits: Limits = field(default_factory=Limits)  # the queue and prefill settings
-    micro_batches: int = 0  # 0: one per pipeline stage (one more for a coordinator-led group)
-    tp: int | str = _SETTINGS.tp  # tensor-parallel group size ("auto": chosen by measuring)
-    metrics_port: int | None = None
-    wait_timeout_s: float = _SETTINGS.wait_timeout  # --wait-for-workers: then say what is missing
     recovery_timeout_s: float = 600.0  # how long to wait for workers after a loss
-    kv_reserve_tokens: int = _SETTINGS.kv_reserve_tokens
-    keep_finished: int = _SETTINGS.keep_finished  # finished jobs kept (bounds the memory)
-    state_dir: Path | None = None  # where accepted jobs are kept (None: not kept)
-    tls: TlsConfig = field(default_factory=TlsConfig)  # serves clients, dials workers
-    http_port: int | None = None  # the OpenAI-compatible HTTP API (None: not served)
-    api_key: str | None = None  # clients must send it (HTTP and gRPC), if set
-    served_model_name: str | None = None  # the model's name in the APIs (default: folder)
-    draft_model: Path | None = None  # drafts for speculative requests (--draft-model)
-    kv: KVFormat = FULL  # how every stage stores KV (--kv-bits, --kv-group-size)
-    prefix_cache: bool = _SETTINGS.prefix_cache  # keep finished requests' KV (--no-prefix-cache)
-    prefix_cache_tokens: int | None = None  # its budget (None: a share of the KV budget)
-    default_max_tokens: int = _SETTINGS.default_max_tokens  # HTTP requests that name no limit
-    max_request_bytes: int | None = None  # a client request's bytes (None: from the context)
-    cors_origins: tuple[str, ...] = ()  # browser origins the HTTP API answers (CORS)
     cost_cache: Path | None = None  # the measured step costs' file (None: the cache folder)
+    # made from the settings (__post_init__): how every stage stores KV, the TLS files read
+    kv: KVFormat = field(init=False)
+    tls: TlsConfig = field(init=False)  # serves clients, dials workers
+
+    def __post_init__(self) -> None:
+        self.kv = KVFormat(self.kv_bits, self.kv_group_size)
+        self.tls = load_tls(self.tls_cert, self.tls_key, self.tls_ca)
+        self.api_key = self.api_key or None  # an empty $WEDLM_API_KEY: no key
+        self.cors_origins = tuple(self.cors_origins or ())  # what ApiBackend keeps
 
 
 class _NotReady:
@@ -330,7 +308,7 @@ class CoordinatorServer:
                 opts.secret,
                 list(opts.workers),
                 opts.kv_reserve_tokens,
-                opts.micro_batches,
+                opts.micro_batches or 0,
                 opts.tls,
                 model_source=source_address(opts.host, self.port),
                 kv=opts.kv,
@@ -375,11 +353,11 @@ class CoordinatorServer:
         the coordinator and whoever answers); until then readiness is NOT_SERVING and
         `wedlm status` says what is missing. After --wait-for-workers seconds, give up."""
         opts, planner = self.opts, self.planner
-        deadline = time.monotonic() + opts.wait_timeout_s
+        deadline = time.monotonic() + opts.wait_timeout
         while not self._stopping.is_set():
             found = planner.candidates()
             if len(found) < opts.expect:
-                waited = opts.wait_timeout_s - max(deadline - time.monotonic(), 0)
+                waited = opts.wait_timeout - max(deadline - time.monotonic(), 0)
                 problem = shortfall(found, opts.expect, waited, self.browser)
             else:
                 self.state = "planning"
@@ -393,7 +371,7 @@ class CoordinatorServer:
                     problem = str(e)
             self.state, self.waiting = "waiting-for-workers", problem
             if time.monotonic() > deadline:
-                raise WedlmError(f"no pipeline after waiting {opts.wait_timeout_s:g} s: {problem}")
+                raise WedlmError(f"no pipeline after waiting {opts.wait_timeout:g} s: {problem}")
             self._stopping.wait(1.0)
         raise WedlmError("stopped while waiting for workers")
 

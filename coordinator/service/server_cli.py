@@ -16,7 +16,7 @@ from common.server_install import require_server_install
 from common.stop_signals import StopRequested, StopSignals
 from coordinator.knobs import Knob, default_of, kind_of
 from coordinator.service.progress_lines import PROGRESS_EVERY_S, still_working
-from coordinator.service.serve_args import serve_options, state_dir
+from coordinator.service.serve_args import serve_options
 from coordinator.service.serve_config import serve_knobs
 
 __all__ = ["apply_config", "build_parser", "main", "serve_options"]
@@ -223,21 +223,12 @@ def _engine_died(server, signals: StopSignals) -> int:
 
 
 def _build_server(args: argparse.Namespace):
-    from coordinator.engine.local_engine import resolve_model
     from coordinator.model_source.hub_model import looks_like_repo_id
     from coordinator.service.server import CoordinatorServer
 
     if looks_like_repo_id(args.model) and not args.served_model_name:
         args.served_model_name = args.model  # the hub id, not the snapshot's folder name
-    opts = serve_options(
-        args,
-        model=resolve_model(args.model),
-        workers=args.workers,
-        expect=args.expect,
-        bonjour=args.bonjour,
-        state_dir=state_dir(args.state_dir),
-    )
-    return CoordinatorServer(opts)
+    return CoordinatorServer(serve_options(args))
 
 
 def add_generate_command(sub) -> None:
