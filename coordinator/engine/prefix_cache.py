@@ -6,8 +6,12 @@ Entries are whole finished sequences: the stages keep their rows under the seque
 and a hit copies the first n rows into the new sequence (ForwardRequest.forks). The index
 is a hash chain over blocks of BLOCK tokens (each block's key hashes its parent's key and
 its tokens, as vLLM's block hashes do), so a lookup walks the prompt once; the match is
-then extended token by token against the chosen entry, since a fork copies any number of
-rows (a prompt that diverges mid-block keeps the part of the block that agrees).
+then extended token by token against the entries holding the deepest block, since a fork
+copies any number of rows (a prompt that diverges mid-block keeps the part of the block that
+agrees). So a hit is the longest common token prefix with any entry, whole entries or not:
+an agent's next turn, whose template re-renders the last answer differently from the tokens
+that were generated (a dropped reasoning block, a tool call re-serialized), still reuses
+every row before the first token that differs.
 
 An entry whose tokens are a prefix of a newer one is dropped for it (a conversation's
 turns keep one entry, not one per turn). Eviction is least recently used, never of an
@@ -109,9 +113,12 @@ class PrefixCache:
             return self._whole_hit(ids, seen)
         if not best:
             return None
-        entry = max((self.entries[i] for i in best), key=lambda e: e.last_used)
-        length = min(common_prefix(entry.tokens, ids), len(ids) - 1)
-        return PrefixHit(entry.entry_id, length) if length >= self.block else None
+        # the holders of the deepest block agree up to it; past it the one agreeing longest
+        # wins (a re-rendered turn diverges mid-block), the most recent among equals
+        agree = {i: common_prefix(self.entries[i].tokens, ids) for i in best}
+        source = max(best, key=lambda i: (agree[i], self.entries[i].last_used))
+        length = min(agree[source], len(ids) - 1)
+        return PrefixHit(source, length) if length >= self.block else None
 
     def _whole_hit(self, ids: np.ndarray, seen: set[int]) -> PrefixHit | None:
         """The longest entry whose tokens all begin `ids`, leaving its last token to run."""
