@@ -192,6 +192,15 @@ def _block_stop(index: int) -> str:
     return _sse("content_block_stop", {"type": "content_block_stop", "index": index})
 
 
+def _input_usage(result: RequestResult) -> dict[str, int]:
+    """Anthropic's split of the prompt: `input_tokens` are the ones computed, the rows taken
+    from the prefix cache are `cache_read_input_tokens` (clients add the three for the
+    context size). Nothing is written on request (no cache_control), so creation is 0."""
+    cached = min(result.cached_tokens, result.prompt_tokens)
+    return {"input_tokens": result.prompt_tokens - cached,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}  # fmt: skip
+
+
 def _stop_reason(result: RequestResult, calls: bool) -> str:
     reason = finish_reason(result)
     if reason == "length":
@@ -275,7 +284,7 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
                 "model": backend.model_name, "content": content,
                 "stop_reason": _stop_reason(result, bool(calls)),
                 "stop_sequence": result.stop_sequence,
-                "usage": {"input_tokens": result.prompt_tokens,
+                "usage": {**_input_usage(result),
                           "output_tokens": len(result.tokens)}}  # fmt: skip
 
     async def _stream(gen: Generation, message_id: str, tools):
@@ -334,5 +343,6 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
             delta = {"stop_reason": _stop_reason(result, calls),
                      "stop_sequence": result.stop_sequence}  # fmt: skip
             yield _sse("message_delta", {"type": "message_delta", "delta": delta,
-                       "usage": {"output_tokens": len(result.tokens)}})  # fmt: skip
+                       "usage": {**_input_usage(result),
+                                 "output_tokens": len(result.tokens)}})  # fmt: skip
             yield _sse("message_stop", {"type": "message_stop"})
