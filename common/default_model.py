@@ -18,6 +18,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from common.env_switches import CACHE_DIR, DEFAULT_GGUF
 from common.gguf_checkpoint import convert_gguf
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
@@ -33,7 +34,7 @@ MASK_TOKEN_ID = 16
 
 def default_cache_dir() -> Path:
     """$WEDLM_CACHE_DIR, else the platform's per-user cache folder."""
-    if env := os.environ.get("WEDLM_CACHE_DIR"):
+    if env := CACHE_DIR.read():
         return Path(env).expanduser()
     if sys.platform == "darwin":
         return Path.home() / "Library" / "Caches" / "wedlm-cluster"
@@ -73,11 +74,11 @@ def default_model_path(cache_dir: Path | None = None) -> Path:
 
 
 def _local_gguf() -> Path | None:
-    if not (env := os.environ.get("WEDLM_DEFAULT_GGUF")):
+    if not (env := DEFAULT_GGUF.read()):
         return None
     path = Path(env).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"WEDLM_DEFAULT_GGUF points at {path}, which is not a file")
+        raise FileNotFoundError(f"{DEFAULT_GGUF.name} points at {path}, which is not a file")
     return path
 
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from common import fused_attention
+from common.env_switches import FUSED_PROJECTIONS
 
 GROUPS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
@@ -34,7 +34,7 @@ LINEAR_TYPES = (nn.Linear, nn.QuantizedLinear)
 
 def enabled() -> bool:
     """`WEDLM_FUSED_PROJECTIONS=0` keeps the layers' own projections (A/B runs)."""
-    return os.environ.get("WEDLM_FUSED_PROJECTIONS", "1") != "0"
+    return FUSED_PROJECTIONS.read() != "0"
 
 
 class SharedProduct:

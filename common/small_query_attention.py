@@ -20,11 +20,12 @@ it off, =wide leaves one-row attention to MLX (A/B runs)."""
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from types import ModuleType
 
 import mlx.core as mx
+
+from common.env_switches import SMALL_QUERY_ATTENTION
 
 MAX_QUERIES = 32  # more rows (prefill chunks) go to cuDNN, which is then the faster
 MAX_KEYS = 4096  # the scores of one query row live in shared memory (16 KiB)
@@ -234,7 +235,7 @@ def available() -> bool:
 def _switched_on(queries: int) -> bool:
     """WEDLM_SMALL_QUERY_ATTENTION: 0 turns the kernel off, =wide keeps one query row on
     MLX's own path (A/B of the one-row case). Read per call: A/B in one process."""
-    setting = os.environ.get("WEDLM_SMALL_QUERY_ATTENTION", "1")
+    setting = SMALL_QUERY_ATTENTION.read()
     return setting != "0" and not (setting == "wide" and queries == 1)
 
 

@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from common.env_switches import SECRET
 from common.stop_signals import StopRequested, StopSignals
 
 PROG = "wedlm-worker"
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         freed = cache.clear()
         print(f"{PROG}: removed {freed / 1e6:.1f} MB of fetched layers from {cache.root}")
         return 0
-    secret = args.secret or os.environ.get("WEDLM_SECRET") or None
+    secret = args.secret or SECRET.read() or None
     signals = StopSignals()
     try:
         worker = _build_worker(args, secret)

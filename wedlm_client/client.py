@@ -12,14 +12,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from common.api_key_env import API_KEY_ENV
+from common.env_switches import API_KEY
 from common.errors import WedlmError
 from common.generation_params import GenerationParams
 from common.proto_gen import wedlm_pb2 as pb
@@ -78,7 +77,7 @@ class WedlmClient:
         self.timeout = timeout
         self.channel = open_channel(address, tls)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
-        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+        key = api_key if api_key is not None else API_KEY.read()
         self.api_key = key
         self.metadata = (("authorization", f"Bearer {key}"),) if key else None
 

@@ -13,17 +13,16 @@ so grouping is for CUDA only (WEDLM_MOE_GROUPED=1/0 overrides)."""
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
 from common.diffusion.mlx_vlm_modules import diffusion_gemma
+from common.env_switches import MOE_GROUPED
 
 GROUP_FROM = 64  # pairs; fewer go the per-pair way (as mlx-vlm sorts only from 64)
 
 
 def grouping_enabled() -> bool:
-    forced = os.environ.get("WEDLM_MOE_GROUPED")
+    forced = MOE_GROUPED.read()
     if forced in ("0", "1"):
         return forced == "1"
     return mx.default_device().type == mx.gpu and not mx.metal.is_available()

@@ -7,7 +7,6 @@ coordinator answers by planning again without the lost member."""
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from common.env_switches import GROUP_BOUND_S
 from common.errors import WedlmError
 from common.kv_format import KVFormat
 from common.layer_range import LayerRange
@@ -36,7 +36,7 @@ from common.wire_frames import WireTensor
 
 JOIN_TIMEOUT_S = 30.0  # every member joining the group (a missing one: it did not form)
 LOAD_TIMEOUT_S = 900.0  # loading the layers after that (from disk)
-BOUND_S = float(os.environ.get("WEDLM_GROUP_BOUND_S", "20"))  # one forward, collectives in it
+BOUND_S = GROUP_BOUND_S.number()  # one forward, collectives in it
 # A long forward (a prompt chunk on a slow machine) may take longer than the bound without
 # any member being lost: each forward also gets this many times the time per row of the
 # largest forward its group has run so far (a small one's time is mostly fixed costs),

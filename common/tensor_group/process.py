@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from common import model_parts
+from common.env_switches import GROUP_LAUNCH_EVERY
 from common.errors import WedlmError
 from common.kv_format import KVFormat
 from common.layer_range import LayerRange
@@ -51,7 +52,7 @@ from common.tensor_group.wire import (
 SHARE_BLOCK = 16384  # bytes handed to every rank in one all_sum (a decode step's message)
 # Layers per launched chunk of a group's forward (common/model_parts.LAUNCH_EVERY); unset:
 # the same as in one process.
-LAUNCH_EVERY = os.environ.get("WEDLM_GROUP_LAUNCH_EVERY")
+LAUNCH_EVERY = GROUP_LAUNCH_EVERY.read()
 
 
 def _group_file(name: str, content: Any) -> Path:

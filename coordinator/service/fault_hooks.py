@@ -12,10 +12,11 @@ next tick:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-FAULT_ENV = "WEDLM_FAULT_FILE"
+from common.env_switches import FAULT_FILE
+
+FAULT_ENV = FAULT_FILE.name  # what tests set
 OUT_OF_MEMORY_FAULT = "out-of-memory"
 ENGINE_CRASH_FAULT = "engine-crash"
 REQUEST_ERROR_FAULT = "request-error"
@@ -31,7 +32,7 @@ class FaultFile:
 
     @classmethod
     def from_env(cls) -> FaultFile | None:
-        path = os.environ.get(FAULT_ENV)
+        path = FAULT_FILE.read()
         return cls(Path(path)) if path else None
 
     def take(self) -> str | None:

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from common.env_switches import SECRET
 from common.errors import WedlmError
 from common.tls import load_tls
 from coordinator.engine.local_engine import resolve_model
@@ -33,7 +34,7 @@ def start_worker(
 ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "shard_worker.cli", "--model", str(model)]
     cmd += ["--host", "127.0.0.1", "--port", "0", "--cluster", cluster, *tls_flags]
-    env = {**os.environ, "WEDLM_SECRET": secret}  # not on the command line, where ps shows it
+    env = {**os.environ, SECRET.name: secret}  # not on the command line, where ps shows it
     with open(log, "w") as err:
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
 

@@ -7,6 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
+from common.env_switches import SECRET
 from common.generation_params import MODES
 
 
@@ -131,7 +132,7 @@ def add_bench_parser(sub) -> None:
     _cluster(fetch)
     fetch.add_argument(
         "--secret",
-        default=os.environ.get("WEDLM_SECRET"),
+        default=SECRET.read(),
         help="the cluster secret (default: $WEDLM_SECRET)",
     )
     fetch.add_argument("--layers", help="A-B (default: every layer)")
