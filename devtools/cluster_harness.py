@@ -1,4 +1,5 @@
-"""Start real `wedlm-worker` / `wedlm-coordinator` processes on 127.0.0.1 for tests."""
+"""Start real `wedlm-worker` / `wedlm-coordinator` processes on 127.0.0.1, for the tests and
+for the scripts in benchmarks/dev/ (a cluster they time)."""
 
 from __future__ import annotations
 

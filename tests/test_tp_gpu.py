@@ -14,15 +14,20 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from benchmarks.dev.random_qwen3 import _config, _tokenizer_files, qwen3_shape, write_random_qwen3
 from benchmarks.dev.tp_gpu import main, parse_args
 from benchmarks.dev.tp_gpu_servers import TemplateCluster
 from benchmarks.dev.tp_shapes import small_qwen3_args
-from tests.cluster_harness import free_port, spawn_command
+from devtools.cluster_harness import free_port, spawn_command
+from devtools.random_checkpoints import (
+    qwen3_config,
+    qwen3_shape,
+    word_tokenizer,
+    write_random_qwen3,
+)
 
 
 def test_random_checkpoint_shapes_and_a_tiny_one_loads(tmp_path: Path) -> None:
-    big = _config(qwen3_shape("qwen3-32b"))
+    big = qwen3_config(qwen3_shape("qwen3-32b"))
     assert (big["hidden_size"], big["num_hidden_layers"], big["intermediate_size"]) == (
         5120, 64, 25600,
     )  # fmt: skip
@@ -49,7 +54,7 @@ def _tiny_checkpoint(out: Path) -> Path:
     out.mkdir()
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     (out / "config.json").write_text(json.dumps({**args, "eos_token_id": 0}))
-    _tokenizer_files(out, args["vocab_size"])
+    word_tokenizer(out, args["vocab_size"])
     return out
 
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common.model_config import load_model_config
-from tests.cluster_harness import Proc, cluster_name, gpu_env, spawn, start_worker
+from devtools.cluster_harness import Proc, cluster_name, gpu_env, spawn, start_worker
 
 GPUS_HELP = "GPUs for the workers (GPU 0 stays with the coordinator when N > workers)"
 SERVING = r"wedlm-coordinator serving"

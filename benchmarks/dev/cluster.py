@@ -32,7 +32,6 @@ if str(ROOT) not in sys.path:  # run as a script: the project root holds tests/ 
 from benchmarks.dev import grpc_floor
 from benchmarks.dev.bench_cluster import GPUS_HELP, Cluster
 from benchmarks.dev.bench_io import add_random_model_flags, finish, hidden_states, suptitled
-from benchmarks.dev.random_qwen3 import QWEN3_8B, write_random_qwen3
 from common.generation_params import GenerationParams
 from common.model_config import load_model_config
 from common.rows_spec import RowsSpec
@@ -41,7 +40,8 @@ from coordinator.cluster.worker_chain import forward_request
 from coordinator.cluster.worker_link import WorkerLink
 from coordinator.engine.local_engine import open_local_engine, resolve_model
 from coordinator.service.results import result_record
-from tests.cluster_harness import cluster_name, start_worker
+from devtools.cluster_harness import cluster_name, start_worker
+from devtools.random_checkpoints import QWEN3_8B, write_random_qwen3
 from wedlm_client.client import WedlmClient
 
 now = time.perf_counter

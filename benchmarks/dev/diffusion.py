@@ -88,7 +88,7 @@ def make_random_checkpoint(
     from mlx.utils import tree_flatten
     from mlx_vlm.models.diffusion_gemma import Model, ModelConfig
 
-    from benchmarks.dev.random_qwen3 import _tokenizer_files
+    from devtools.random_checkpoints import QWEN_SPECIALS, word_tokenizer
 
     if (out / "config.json").exists():
         return out
@@ -152,7 +152,7 @@ def make_random_checkpoint(
         del arrays
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
-    _tokenizer_files(out, text["vocab_size"])
+    word_tokenizer(out, text["vocab_size"], QWEN_SPECIALS, max_length=40960)
     return out
 
 

@@ -32,18 +32,18 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the project root holds tests/ too
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.dev.random_qwen3 import write_random_qwen3
 from common.checkpoint_weights import weight_files
 from common.layer_range import LayerRange
 from common.model_config import load_model_config
 from coordinator.model_source.layer_files import LayerFiles
-from shard_worker.fetch_bench import fetch_s, raw_copy_s
-from tests.cluster_harness import (
+from devtools.cluster_harness import (
     cluster_name,
     start_coordinator,
     start_fetching_worker,
     start_worker,
 )
+from devtools.random_checkpoints import write_random_qwen3
+from shard_worker.fetch_bench import fetch_s, raw_copy_s
 from wedlm_client.client import WedlmClient
 
 now = time.perf_counter

@@ -46,7 +46,7 @@ from common.rows_spec import RowsSpec
 from common.tensor_codec import decode, encode_frame
 from coordinator.cluster.worker_chain import forward_request
 from coordinator.cluster.worker_link import WorkerLink
-from tests.cluster_harness import cluster_name, gpu_env, start_worker
+from devtools.cluster_harness import cluster_name, gpu_env, start_worker
 
 now = time.perf_counter
 PAYLOADS = (16 * 1024, 256 * 1024, 4 * 1024 * 1024)

@@ -87,10 +87,10 @@ def sweep(address: str, levels: list[int], prompts, params: GenerationParams, ar
 def prepare_model(args) -> tuple[Path, str]:
     if args.model != "random-qwen3-8b":
         return resolve_model(args.model), args.model
-    try:  # the writer lives in benchmarks/dev/random_qwen3.py (random bf16 Qwen3-8B shape, shards)
-        from benchmarks.dev.random_qwen3 import QWEN3_8B, write_random_qwen3
+    try:  # the writer: devtools/random_checkpoints.py (random bf16 Qwen3-8B shape)
+        from devtools.random_checkpoints import QWEN3_8B, write_random_qwen3
     except ImportError as e:
-        raise SystemExit(f"random-qwen3-8b needs benchmarks/dev/random_qwen3.py: {e}") from None
+        raise SystemExit(f"random-qwen3-8b needs devtools/random_checkpoints.py: {e}") from None
     layers = args.layers_override or QWEN3_8B["layers"]
     hidden = args.hidden_override or QWEN3_8B["hidden"]
     path = args.ckpt_dir or Path(f"/tmp/wedlm-random-qwen3-8b-L{layers}-H{hidden}")

@@ -67,7 +67,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.dev import bench_io
 from benchmarks.dev.serve import device_name, prepare_model
 from benchmarks.dev.serve_http import OpenAIRequest, level
-from tests.cluster_harness import Proc, free_port, spawn_command
+from devtools.cluster_harness import Proc, free_port, spawn_command
 from wedlm_client.bench.load import client_pool
 from wedlm_client.bench.records import PROMPTS, now
 from wedlm_client.bench.serve import abab, kept

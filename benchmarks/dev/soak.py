@@ -31,7 +31,7 @@ from common.generation_params import GenerationParams
 from wedlm_client.client import ClusterError, WedlmClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ is not installed
-from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker
+from devtools.cluster_harness import Proc, cluster_name, start_coordinator, start_worker
 
 SAMPLE_S, POLL_S = 5.0, 0.2
 WORDS = ("robot", "count", "fox", "dog", "shells", "sea", "window", "decode", "mask", "sum")
@@ -44,6 +44,18 @@ def params_for(i: int, max_tokens: int) -> GenerationParams:
     n, hot = max_tokens // 2 + (i * 7919) % (max_tokens - max_tokens // 2 + 1), i % 3 == 0
     mode, temp, top_p = ("ar" if i % 2 else "wedlm"), (0.8 if hot else 0.0), (0.95 if hot else 1)
     return GenerationParams(mode=mode, max_tokens=max(1, n), temperature=temp, top_p=top_p, seed=i)
+
+
+# --tiny: a 6-layer Qwen3 of hidden 64 that decodes as WeDLM-trained (its <mask> in the vocabulary)
+TINY_SPECIALS = {"<|endoftext|>": 316, "<|im_start|>": 317, "<|im_end|>": 318, "<mask>": 319}
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 320, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "mask_token_id": TINY_SPECIALS["<mask>"],
+    "wedlm": {"note": "random weights: decoded as a WeDLM-trained checkpoint"},
+}  # fmt: skip
 
 
 def prompt_for(i: int) -> str:
@@ -271,11 +283,11 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.tiny:
-        from tests.checkpoints import make_checkpoint
+        from devtools.random_checkpoints import write_random_checkpoint
 
         model = Path(tempfile.mkdtemp(prefix="soak-tiny-"))
-        make_checkpoint(model, "qwen3", seed=0, num_hidden_layers=6, max_position_embeddings=2048)
-        model_name = "tiny random qwen3 (6 layers, hidden 64, fp32)"
+        write_random_checkpoint(model, TINY_QWEN3, specials=TINY_SPECIALS, max_length=2048)
+        model_name = "tiny random qwen3 (6 layers, hidden 64, bf16)"
     else:
         from coordinator.engine.local_engine import resolve_model
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.dev.random_qwen3 import QWEN3_8B, write_random_qwen3
+from devtools.random_checkpoints import QWEN3_8B, write_random_qwen3
 
 READY = re.compile(r"wedlm-coordinator serving ")
 HTTP = re.compile(r"HTTP API on (http://\S+)/v1")

@@ -1,8 +1,8 @@
 """Tensor parallelism on two GPUs (issue 32): one GPU against TP = 2 over mlx.distributed,
 in phases that run on their own (a GPU call is limited to 10 minutes):
 
-  make-model  a random bf16 checkpoint of Qwen3-8B or -32B shape (benchmarks/dev/
-              random_qwen3.py; --layers-override for a shorter one): its time and size,
+  make-model  a random bf16 checkpoint of Qwen3-8B or -32B shape (devtools/
+              random_checkpoints.py; --layers-override for a shorter one): its time and size,
               and the time the whole model would take at that rate
   mlxlm       mlx-lm alone on GPU 0 against mlx-lm's TP = 2 (`sharded_load`, i.e.
               `Model.shard`) under `mlx.launch --backend nccl` (ring on a CPU): single-stream
@@ -72,7 +72,7 @@ def make_model(args) -> dict[str, Any]:
     """Write it (or find it complete) and say what the whole depth would take at this rate."""
     import mlx.core as mx
 
-    from benchmarks.dev.random_qwen3 import write_random_qwen3
+    from devtools.random_checkpoints import write_random_qwen3
 
     path, _, shape, layers, hidden = model_spec(args)
     if shape is None:
@@ -81,7 +81,7 @@ def make_model(args) -> dict[str, Any]:
     t0 = now()
     write_random_qwen3(path, layers, hidden, shape=shape)
     seconds = now() - t0
-    nbytes = sum(f.stat().st_size for f in path.glob("model-*.safetensors"))
+    nbytes = sum(f.stat().st_size for f in path.glob("model*.safetensors"))
     out = {"path": str(path), "shape": shape, "layers": layers, "hidden": hidden,
            "reused": reused, "seconds": round(seconds, 1), "GB": round(nbytes / 1e9, 2),
            "device": str(mx.default_device())}  # fmt: skip

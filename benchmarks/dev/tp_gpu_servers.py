@@ -22,7 +22,7 @@ from benchmarks.dev.bench_cluster import even_ranges
 from benchmarks.dev.serve_openai import Server
 from benchmarks.dev.tp_launch import launched
 from common.model_config import load_model_config
-from tests.cluster_harness import Proc, free_port, spawn_command
+from devtools.cluster_harness import Proc, free_port, spawn_command
 
 _WORKER = ("env CUDA_VISIBLE_DEVICES={gpu} {python} -m shard_worker.cli --model {model} "
            "--host 127.0.0.1 --port {port%d} --cluster {cluster} --no-bonjour")  # fmt: skip

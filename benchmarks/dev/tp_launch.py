@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tests.cluster_harness import spawn_command
+from devtools.cluster_harness import spawn_command
 
 ROOT = Path(__file__).resolve().parents[2]
 TP_GPU = ROOT / "benchmarks" / "dev" / "tp_gpu.py"

@@ -15,14 +15,10 @@ from coordinator.cluster.tp_choice import (
     ring_all_reduce_s,
     tp_stage_s,
 )
+from devtools.random_checkpoints import QWEN3_HEAD_DIM, QWEN3_SHAPES, QWEN3_VOCAB
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
-VOCAB = 151936
-SHAPES: dict[str, dict[str, int]] = {
-    "qwen3-8b": {"hidden": 4096, "layers": 36, "heads": 32, "kv_heads": 8, "mlp": 12288},
-    "qwen3-32b": {"hidden": 5120, "layers": 64, "heads": 64, "kv_heads": 8, "mlp": 25600},
-}
-HEAD_DIM = 128
+VOCAB, SHAPES, HEAD_DIM = QWEN3_VOCAB, QWEN3_SHAPES, QWEN3_HEAD_DIM
 # Bytes per weight: bf16; mlx 4-bit with a bf16 scale and bias per group of 64.
 BYTES_PER_PARAM = {"bf16": 2.0, "4-bit": 0.5 + 4 / 64}
 TB5_RDMA_MS = 0.025  # published per all-reduce over Thunderbolt 5 RDMA (jaccl), 2 Macs
