@@ -11,6 +11,7 @@ from typing import Any
 
 from common.errors import CheckpointError
 from common.model_families import family_name
+from common.modes import Mode
 
 DEFAULT_MASK_TOKEN_ID = 151665  # WeDLM's [MASK]; released configs leave mask_token_id null
 # The families served before mlx-lm's registry decided (their configs are read as then);
@@ -76,8 +77,8 @@ class ModelConfig:
     def default_mode(self) -> str:
         """The checkpoint's own decoding, what a request in mode "auto" gets."""
         if self.diffusion:
-            return "diffusion"
-        return "wedlm" if self.wedlm_trained else "ar"
+            return Mode.DIFFUSION
+        return Mode.WEDLM if self.wedlm_trained else Mode.AR
 
     def mlx_args(self) -> dict[str, Any]:
         """The config as mlx-lm's ModelArgs expects it (other families: as written, so

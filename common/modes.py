@@ -17,6 +17,10 @@ class Mode(StrEnum):
     SPECULATIVE = "speculative"  # drafts verified by one forward: AR's output exactly
     DIFFUSION = "diffusion"  # block diffusion: whole canvases denoised
 
+    # A member reads as its word in repr too ('ar', not <Mode.AR: 'ar'>): the messages that
+    # quote a request's mode with !r read the same whether it holds a member or a string.
+    __repr__ = str.__repr__
+
 
 # Plain strings (not members) in the declared order: argparse's messages and the errors
 # that list them print them as they always did.

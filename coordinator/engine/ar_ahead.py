@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from common.modes import Mode
 from coordinator.engine.draft_policy import batch_rooms, draft_room
 from coordinator.engine.row_plan import RowPlan, probe_ends, unchanged_by_postprocess
 from coordinator.engine.sequence import Phase, Sequence
@@ -64,7 +65,7 @@ def _after_one(
         m = max(min(room + 1, seq.params.window, remaining - 1, fit), 0)
     tokens = np.full(1 + m, mask_token_id, np.int32)
     tokens[0] = 0  # t's token, fed from the device
-    ar = seq.params.mode == "ar"
+    ar = seq.params.mode == Mode.AR
     return RowPlan(
         seq=seq,
         tokens=tokens,
@@ -78,9 +79,9 @@ def _after_one(
 
 
 def speculative(seq: Sequence) -> bool:
-    return seq.phase is Phase.DECODE and seq.params.mode == "speculative"
+    return seq.phase is Phase.DECODE and seq.params.mode == Mode.SPECULATIVE
 
 
 def ar_decoding(seq: Sequence) -> bool:
     """An autoregressive sequence past its prompt, with its next input token known."""
-    return seq.phase is Phase.DECODE and seq.params.mode == "ar" and bool(seq.output)
+    return seq.phase is Phase.DECODE and seq.params.mode == Mode.AR and bool(seq.output)

@@ -10,6 +10,8 @@ checkpoint says: its state cannot take back the rows WeDLM and drafts write and 
 
 from __future__ import annotations
 
+from common.modes import Mode
+
 # A drafting forward of 10 rows (step_timing.py) costing more than this many one-row
 # forwards makes auto choose AR: WeDLM's 16-32-row windows would then have to commit more
 # than ~6 tokens per forward to keep up, which only raw counting does (the r2 checkpoint:
@@ -20,9 +22,9 @@ WIDE_COST_FOR_AR = 6.0
 def auto_mode(checkpoint_mode: str, wide_cost: float | None) -> tuple[str, str]:
     """(the mode auto decodes with, why in a sentence or "") from the checkpoint's own
     mode and what a drafting forward costs in one-row forwards (None: not measured)."""
-    if checkpoint_mode != "wedlm" or wide_cost is None or wide_cost <= WIDE_COST_FOR_AR:
+    if checkpoint_mode != Mode.WEDLM or wide_cost is None or wide_cost <= WIDE_COST_FOR_AR:
         return checkpoint_mode, ""
-    return "ar", (
+    return Mode.AR, (
         f"mode auto decodes with AR, not WeDLM: on this machine a 10-row forward costs "
         f"{wide_cost:.1f} one-row forwards (more than {WIDE_COST_FOR_AR:g}), so WeDLM's "
         f"windows would commit fewer tokens per second than AR; a request that names "
@@ -33,12 +35,16 @@ def auto_mode(checkpoint_mode: str, wide_cost: float | None) -> tuple[str, str]:
 def family_mode(checkpoint_mode: str, recurrent: bool) -> str:
     """The checkpoint's own mode as its family allows it: AR where layers keep recurrent
     state (no mode that writes rows and takes some back)."""
-    return "ar" if recurrent and checkpoint_mode in ("wedlm", "speculative") else checkpoint_mode
+    return (
+        Mode.AR
+        if recurrent and checkpoint_mode in (Mode.WEDLM, Mode.SPECULATIVE)
+        else checkpoint_mode
+    )
 
 
 def refused_mode(mode: str, family: str, recurrent: bool) -> str | None:
     """Why `mode` cannot decode this family (None: it can)."""
-    if recurrent and mode in ("wedlm", "speculative"):
+    if recurrent and mode in (Mode.WEDLM, Mode.SPECULATIVE):
         return (
             f"mode {mode} is not served for {family}: it has recurrent layers (linear "
             f"attention or state-space), whose state cannot take back the rows that "

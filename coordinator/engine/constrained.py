@@ -42,6 +42,7 @@ import numpy as np
 
 from common.errors import InvalidRequest
 from common.generation_params import GenerationParams
+from common.modes import Mode
 from common.tokenizer import Tokenizer
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sequence import Phase, Sequence
@@ -88,9 +89,9 @@ class Grammars:
 def sequential_params(params: GenerationParams) -> GenerationParams:
     """A penalized request decodes autoregressively: its logits depend on every token
     before the choice (logit_bias.py). A constrained one keeps its mode (module docstring)."""
-    if not params.penalized or params.mode == "ar":
+    if not params.penalized or params.mode == Mode.AR:
         return params
-    return replace(params, mode="ar", draft="auto")
+    return replace(params, mode=Mode.AR, draft="auto")
 
 
 def _slot_prefixes(plan: RowPlan) -> list[list[int]]:
@@ -100,9 +101,9 @@ def _slot_prefixes(plan: RowPlan) -> list[list[int]]:
     seq = plan.seq
     if seq.phase is not Phase.DECODE or plan.head_slots.size == 0:
         return [[]]  # a prompt's last row chooses the first token
-    if seq.params.mode == "wedlm":  # slot 0 follows this forward's committing run
+    if seq.params.mode == Mode.WEDLM:  # slot 0 follows this forward's committing run
         return [plan.commits]
-    if seq.params.mode == "speculative":  # choice j follows drafts 0..j-1
+    if seq.params.mode == Mode.SPECULATIVE:  # choice j follows drafts 0..j-1
         drafts = [int(t) for t in plan.tokens[plan.keep : plan.keep + plan.drafts]]
         return [drafts[:j] for j in range(len(drafts) + 1)]
     return [[]]
@@ -239,7 +240,7 @@ def advance(
         new = seq.output[start:]
         if new:
             seq.matcher.consume_tokens(new)
-        if seq.params.mode == "wedlm" and seq.phase is Phase.DECODE:
+        if seq.params.mode == Mode.WEDLM and seq.phase is Phase.DECODE:
             run = seq.window_tokens[: seq.leading_filled()].tolist()
             allowed = _allowed_run(seq.matcher, run, seq.params.extra_stop_ids)
             if allowed < len(run):

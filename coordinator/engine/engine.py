@@ -23,6 +23,7 @@ from common.errors import InvalidRequest, PromptTooLong
 from common.generation_params import GenerationParams
 from common.layer_runner import select_slots
 from common.model_parts import ModelParts
+from common.modes import Mode
 from common.rows_spec import RowsSpec
 from common.window_mask import compiled_device_visibility
 from coordinator.engine import constrained, logit_bias, speculative_ahead, token_logprobs
@@ -201,15 +202,15 @@ class Engine:
 
     def resolve_mode(self, params: GenerationParams) -> GenerationParams:
         """Mode "auto" becomes this engine's own decoding."""
-        return replace(params, mode=self.default_mode) if params.mode == "auto" else params
+        return replace(params, mode=self.default_mode) if params.mode == Mode.AUTO else params
 
     def mode_warning(self, params: GenerationParams) -> str:
         """Why a request's (resolved) decoding may give degraded text on this checkpoint:
         WeDLM windows or mask-slot drafts on a model that never learned mask slots."""
-        masks = params.mode == "wedlm" or params.draft == "mask"
+        masks = params.mode == Mode.WEDLM or params.draft == "mask"
         if not masks or self.config.wedlm_trained:
             return ""
-        what = "mode wedlm" if params.mode == "wedlm" else "mask-slot drafts"
+        what = "mode wedlm" if params.mode == Mode.WEDLM else "mask-slot drafts"
         return (
             f"{what} on a checkpoint that is not WeDLM-trained ({self.config.model_type}, no "
             f"'wedlm' record in config.json): its mask slots were never trained, expect "
@@ -244,7 +245,7 @@ class Engine:
     def resolve_drafts(self, params: GenerationParams) -> GenerationParams:
         """Speculative mode's draft source: "auto" becomes the draft model when one is
         loaded, else mask slots on a WeDLM-trained checkpoint, else prompt lookup."""
-        if params.mode != "speculative" or params.draft != "auto":
+        if params.mode != Mode.SPECULATIVE or params.draft != "auto":
             return params
         if self.drafter is not None:
             return replace(params, draft="model")
@@ -253,7 +254,7 @@ class Engine:
     def validate_prompt(self, prompt: list[int], params: GenerationParams) -> None:
         if not prompt:
             raise InvalidRequest("the prompt is empty")
-        if params.mode == "diffusion":
+        if params.mode == Mode.DIFFUSION:
             raise InvalidRequest(
                 f"mode diffusion needs a block-diffusion model (DiffusionGemma); this model "
                 f"({self.config.model_type}) decodes with wedlm, ar or speculative"
@@ -267,7 +268,7 @@ class Engine:
         )
         if refused:
             raise InvalidRequest(refused)
-        if params.mode == "wedlm" and getattr(self.parts, "sliding", False):
+        if params.mode == Mode.WEDLM and getattr(self.parts, "sliding", False):
             # a window's slots are reordered (committed and filled first), and the sliding
             # mask counts slots, not logical positions: near a window's edge it would be off
             raise InvalidRequest(
@@ -276,9 +277,9 @@ class Engine:
                 f"keep yet "
                 f"(use mode ar or speculative)"
             )
-        masks = params.mode == "wedlm" or params.draft == "mask"
+        masks = params.mode == Mode.WEDLM or params.draft == "mask"
         if masks and not 0 <= self.config.mask_token_id < vocab:
-            what = "WeDLM mode" if params.mode == "wedlm" else "mask-slot drafts"
+            what = "WeDLM mode" if params.mode == Mode.WEDLM else "mask-slot drafts"
             raise InvalidRequest(
                 f"{what} need a mask token, but mask_token_id "
                 f"{self.config.mask_token_id} is outside this model's vocabulary of {vocab} "
@@ -522,7 +523,7 @@ class Engine:
             (i, p.seq) for i, p in enumerate(flight.plans)
             if p.seq.matcher is not None and not p.seq.finished and not p.seq.matcher.is_error()
         ]  # fmt: skip
-        if not rows or any(seq.params.mode != "ar" for _, seq in rows):
+        if not rows or any(seq.params.mode != Mode.AR for _, seq in rows):
             return
         job = constrained.mask_job(nxt.plans, nxt.batch.head_slots.shape[1], self.config.vocab_size)
         if job is None:
@@ -565,7 +566,7 @@ class Engine:
         if self.micro_batches != 1 or flight.unit is PREFILL or compiling:
             return
         plans = flight.plans
-        if any(p.seq.phase is not Phase.DECODE or p.seq.params.mode == "wedlm" for p in plans):
+        if any(p.seq.phase is not Phase.DECODE or p.seq.params.mode == Mode.WEDLM for p in plans):
             return
         if all(p.width == 1 for p in plans):
             if flight.started < last:  # launched ahead of the last one's read-back
@@ -720,7 +721,7 @@ class Engine:
             seq = stand_in.seq
             if seq.finished:
                 plan = None
-            elif seq.params.mode == "speculative":  # built on the device (speculative_ahead)
+            elif seq.params.mode == Mode.SPECULATIVE:  # built on the device (speculative_ahead)
                 cap = flight.caps[i]
                 plan = speculative_ahead.resolve(
                     stand_in, flight.width, cap, self.config.mask_token_id
@@ -910,4 +911,4 @@ _NO = np.zeros(0, dtype=bool)
 def _wedlm_decoding(plan: RowPlan) -> bool:
     """A WeDLM window row (its sequence past its prompt)."""
     seq = plan.seq
-    return seq.phase is Phase.DECODE and seq.params.mode == "wedlm" and plan.head_slots.size > 0
+    return seq.phase is Phase.DECODE and seq.params.mode == Mode.WEDLM and plan.head_slots.size > 0

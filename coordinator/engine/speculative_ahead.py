@@ -25,6 +25,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from common.modes import Mode
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sequence import Phase
 
@@ -36,7 +37,7 @@ def chains(plan: RowPlan) -> bool:
     seq = plan.seq
     return (
         seq.phase is Phase.DECODE
-        and seq.params.mode == "speculative"
+        and seq.params.mode == Mode.SPECULATIVE
         and seq.params.draft == "mask"
         and seq.draft_limit != 0
         and seq.matcher is None

@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.generation_params import GenerationParams
+from common.modes import Mode
 from coordinator.engine.engine import Engine
 from coordinator.engine.forward_shapes import row_bucket
 from coordinator.engine.row_plan import RowPlan
@@ -187,7 +188,7 @@ def _batch(ids: list[int], drafts: int, masks: int) -> TickBatch:
     """One row per id: the last committed token, `drafts` drafts and `masks` mask slots,
     with the logits of every row (as a speculative forward reads them)."""
     width = 1 + drafts + masks
-    mode = "speculative" if width > 1 else "ar"
+    mode = Mode.SPECULATIVE if width > 1 else Mode.AR
     params = GenerationParams(mode=mode, window=max(drafts, 1), max_tokens=width + 1)
     plans = [
         RowPlan(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from common.modes import Mode
 from common.rows_spec import RowsSpec
 from coordinator.engine.forward_shapes import padded_width
 from coordinator.engine.row_plan import RowPlan
@@ -63,7 +64,7 @@ class TickBatch:
         ar = float("inf")  # an AR row fills its single slot: adj < inf always holds
         return {
             "threshold": self._column(
-                lambda r: ar if r.mode == "ar" else (r.threshold or -float("inf")),
+                lambda r: ar if r.mode == Mode.AR else (r.threshold or -float("inf")),
                 0.0,
                 mx.float32,
             ),
@@ -112,7 +113,7 @@ class TickBatch:
         """Whether some row needs entropies: a WeDLM window, or speculative mask slots."""
         return any(
             p.head_slots.size
-            and (p.seq.params.mode == "wedlm" or (_speculative(p) and p.head_is_mask.any()))
+            and (p.seq.params.mode == Mode.WEDLM or (_speculative(p) and p.head_is_mask.any()))
             for p in self.plans
         )
 
@@ -125,7 +126,7 @@ def _speculative(plan: RowPlan) -> bool:
     """A speculative decode row, or a prompt's last chunk opening one (row_plan.plan_opening:
     its first slot chooses like AR's, as the prompt's last row does, and its mask slots draft
     like a decode row's). Its other prefill rows decide like AR's."""
-    return plan.seq.params.mode == "speculative" and plan.decodes
+    return plan.seq.params.mode == Mode.SPECULATIVE and plan.decodes
 
 
 def build_batch(plans: list[RowPlan], padding_ids: list[int] = ()) -> TickBatch:

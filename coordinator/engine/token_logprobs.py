@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from common.modes import Mode
 from coordinator.engine.forward_shapes import row_bucket
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.scheduler import Commit
@@ -165,7 +166,7 @@ def record(
 def wedlm_decoding(plans: list[RowPlan]) -> list[bool]:
     """Per row, whether its forward is a WeDLM window step (read before postprocess): a
     decode row's, or the first window riding the prompt's last chunk (plan_opening)."""
-    return [p.seq.params.mode == "wedlm" and p.decodes for p in plans]
+    return [p.seq.params.mode == Mode.WEDLM and p.decodes for p in plans]
 
 
 def attach(commits: list[Commit]) -> None:

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from common.generation_params import GenerationParams
+from common.modes import Mode
 from coordinator.engine.engine import Engine
 from coordinator.engine.forward_shapes import (
     WIDE_FROM,
@@ -45,7 +46,7 @@ SETUP_WIDTH = 8  # a first forward gives the rows of a bucket KV lengths 0..7, a
 EXTEND_WIDTH = 64  # then each further span adds this many rows of KV
 PROGRESS_EVERY_S = 5.0  # a long warm-up says how far it is at least this often
 
-_AR = GenerationParams(mode="ar", max_tokens=1)
+_AR = GenerationParams(mode=Mode.AR, max_tokens=1)
 _SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95}  # the filtering sampling path
 
 
@@ -194,7 +195,7 @@ def _bursts(engine: Engine, buckets: list[int], window: int, wedlm: bool) -> Non
     for rows in buckets:
         seqs = []
         for i in range(rows):
-            mode = "wedlm" if wedlm and i % 2 else "ar"
+            mode = Mode.WEDLM if wedlm and i % 2 else Mode.AR
             params = GenerationParams(mode=mode, window=window, max_tokens=3 + i % 4)
             prompt = [(7 * i + j + 1) % vocab for j in range(3 + i % 5)]
             seqs.append(Sequence(next(ids), prompt, params))
@@ -243,7 +244,7 @@ class _Warmer:
             if lengths.max() + 1 <= self.max_positions:
                 yield self.run(ids, lengths, [_row(_AR, 1, head=True)] * rows, sample=first)
             for w in windows if self.wedlm else ():
-                params = GenerationParams(mode="wedlm", window=w, max_tokens=1)
+                params = GenerationParams(mode=Mode.WEDLM, window=w, max_tokens=1)
                 widths = sorted({padded_width(w + p) for p in range(w + 1)})
                 for i, t in enumerate(widths):
                     p = min(w, t - w)  # committed slots: W + p rows pad to t

@@ -15,6 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from common.generation_params import GenerationParams
+from common.modes import Mode
 from coordinator.http_api.api_backend import ApiBackend
 from coordinator.http_api.api_errors import ApiError
 from coordinator.http_api.job_events import JobEvents
@@ -74,8 +75,8 @@ def echo_params(
     the one token it drops autoregressively where it can: AR takes it from the prompt's
     last row, so no forward is spent past the prompt's."""
     params = replace(params, prompt_logprobs=params.logprobs is not None)
-    if body.echo_only() and "diffusion" not in (params.mode, default_mode):
-        params = replace(params, mode="ar")
+    if body.echo_only() and Mode.DIFFUSION not in (params.mode, default_mode):
+        params = replace(params, mode=Mode.AR)
     return params
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from common.errors import CheckpointError, InvalidRequest, PromptTooLong
 from common.generation_params import GenerationParams
+from common.modes import Mode
 from common.prompt_limit import check_tokens
 from common.tokenizer import Tokenizer
 from coordinator.http_api.api_errors import (
@@ -202,7 +203,7 @@ def generation_params(
         threshold = None
     try:
         params = GenerationParams(
-            mode=body.mode or "auto",  # the served model's own decoding
+            mode=body.mode or Mode.AUTO,  # the served model's own decoding
             window=DEFAULTS.window if body.window is None else body.window,
             threshold=threshold,
             penalty=DEFAULTS.penalty if body.penalty is None else body.penalty,

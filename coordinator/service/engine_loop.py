@@ -21,6 +21,7 @@ from typing import Protocol
 
 from common.errors import InvalidRequest, WedlmError, is_out_of_memory
 from common.mlx_thread_exit import release_mlx_thread
+from common.modes import Mode
 from common.tokenizer import TextStream, Tokenizer
 from coordinator.engine.engine import Engine
 from coordinator.engine.pipeline import Pipeline
@@ -533,12 +534,12 @@ class EngineLoop(threading.Thread):
         m.e2e.observe(time.time() - live.job.created_at)
         if seq.forwards:
             m.tokens_per_forward.observe(len(seq.output) / seq.forwards)
-        if seq.params.mode == "speculative":
+        if seq.params.mode == Mode.SPECULATIVE:
             m.drafted_tokens.inc(seq.drafted)
             m.accepted_drafts.inc(seq.accepted)
             if seq.forwards:
                 m.accepted_per_forward.observe(seq.accepted / seq.forwards)
-        if seq.params.mode == "diffusion" and seq.canvases:
+        if seq.params.mode == Mode.DIFFUSION and seq.canvases:
             m.diffusion_canvases.inc(seq.canvases)
             m.steps_per_canvas.observe(seq.forwards / seq.canvases)
         if len(seq.output) > 1 and seq.decode_s:

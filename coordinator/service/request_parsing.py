@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from common.errors import InvalidRequest
 from common.generation_params import GenerationParams
+from common.modes import Mode
 from common.prompt_limit import check_tokens
 from common.proto_gen import wedlm_pb2 as pb
 from common.tokenizer import Tokenizer
@@ -21,7 +22,7 @@ def params_from_request(req: pb.GenerateRequest) -> GenerationParams:
         else (req.threshold if req.HasField("threshold") else DEFAULTS.threshold)
     )
     return GenerationParams(
-        mode=req.mode or "auto",  # the served model's own decoding
+        mode=req.mode or Mode.AUTO,  # the served model's own decoding
         window=req.window if req.HasField("window") else DEFAULTS.window,
         threshold=threshold,
         penalty=req.penalty if req.HasField("penalty") else DEFAULTS.penalty,

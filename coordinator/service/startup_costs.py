@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from common.modes import Mode
 from coordinator.engine.auto_mode import auto_mode
 from coordinator.engine.engine import Engine
 from coordinator.engine.measured_costs import CostKey, MeasuredCosts
@@ -75,7 +76,7 @@ class StartupCosts:
             self._pending = []
             self._choose_auto(known["ratios"].get(1))
             return
-        if engine.config.default_mode == "wedlm":
+        if engine.config.default_mode == Mode.WEDLM:
             log.info(
                 "measuring what a forward of several rows costs against a one-row one, to "
                 "choose how mode auto decodes this WeDLM checkpoint (a few forwards)"

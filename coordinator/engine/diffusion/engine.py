@@ -15,6 +15,7 @@ import numpy as np
 from common.diffusion.parts import DiffusionParts
 from common.errors import InvalidRequest
 from common.generation_params import GenerationParams
+from common.modes import Mode
 from coordinator.engine.diffusion.canvas import forwarded
 from coordinator.engine.diffusion.reference_sampler import reference_step
 from coordinator.engine.diffusion.scheduler import CanvasScheduler
@@ -59,7 +60,7 @@ class DiffusionEngine(Engine):
         return params
 
     def validate_prompt(self, prompt: list[int], params: GenerationParams) -> None:
-        if params.mode != "diffusion":
+        if params.mode != Mode.DIFFUSION:
             raise InvalidRequest(
                 f"mode {params.mode!r} needs a WeDLM or autoregressive model: this model "
                 f"({self.config.model_type}) decodes by diffusion (use mode diffusion or auto)"

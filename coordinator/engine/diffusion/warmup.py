@@ -8,6 +8,7 @@ import itertools
 import time
 
 from common.generation_params import GenerationParams
+from common.modes import Mode
 from coordinator.engine.diffusion.engine import DiffusionEngine
 from coordinator.engine.forward_shapes import row_bucket
 from coordinator.engine.sequence import Sequence
@@ -29,7 +30,7 @@ def warm_up_diffusion(engine: DiffusionEngine, max_rows: int | None = None) -> W
         seqs = []
         for i in range(rows):
             params = GenerationParams(
-                mode="diffusion",
+                mode=Mode.DIFFUSION,
                 sampler=("turbo", "faithful")[i % 2],
                 steps=WARM_STEPS,
                 max_tokens=canvas + 1,
