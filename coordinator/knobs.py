@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
+from common.env_switches import EnvVar
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -29,7 +31,7 @@ class Knob:
     toml: bool = True  # a TOML key as well as a flag
     parse: Callable[[str], Any] | None = None  # text -> value (raises ValueError), flag and TOML
     check: Callable[[Any], None] | None = None  # a TOML value's own rule (raises ValueError)
-    env: str = ""  # an environment variable giving the flag's default
+    env: EnvVar | None = None  # an environment variable giving the flag's default
     file_key: str = ""  # a TOML key naming a file that holds the value (a secret)
     serve_only: bool = False  # `serve`'s alone (`local` starts its own workers)
     metavar: str | None = None

@@ -81,5 +81,15 @@ def test_local_takes_the_serve_only_settings_defaults(tmp_path):
 def test_a_bad_kv_setting_is_refused_in_one_line(tmp_path):
     args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--kv-bits", "4"])
     args.kv_group_size = 48  # what a TOML file could hold past the flag's choices
-    with pytest.raises(WedlmError, match="kv group size must be one of .*, got 48"):
+    with pytest.raises(WedlmError, match=r"kv group size must be one of .*, got 48"):
         serve_options(args)
+
+
+def test_the_secret_and_the_api_key_default_to_their_variables(monkeypatch, tmp_path):
+    monkeypatch.setenv("WEDLM_SECRET", "from-env")
+    monkeypatch.setenv("WEDLM_API_KEY", "")  # set but empty: no key
+    opts = serve_options(build_parser().parse_args(["serve", "--model", str(tmp_path)]))
+    assert opts.secret == "from-env" and opts.api_key is None
+    argv = ["serve", "--model", str(tmp_path), "--secret", "flag", "--api-key", "k"]
+    opts = serve_options(build_parser().parse_args(argv))
+    assert opts.secret == "flag" and opts.api_key == "k"  # the flag wins

@@ -75,7 +75,7 @@ class ServeSettings:
     port: int = knob(50051, "port (0 = any free port)", what="port", **PORT)
     cluster: str = knob("default", "cluster name (workers must match)", what="cluster name")
     secret: str | None = knob(
-        None, "cluster secret", env=SECRET.name, toml=False, file_key="secret_file",
+        None, "cluster secret", env=SECRET, toml=False, file_key="secret_file",
         what="file holding the cluster secret",
     )  # fmt: skip
     workers: list[str] = knob(
@@ -162,7 +162,7 @@ class ServeSettings:
         None,
         "clients must send 'Authorization: Bearer KEY' (HTTP and gRPC; default: $WEDLM_API_KEY)",
         what="file holding the API key clients must send",
-        env=API_KEY.name,
+        env=API_KEY,
         toml=False,
         file_key="api_key_file",
     )

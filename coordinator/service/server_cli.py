@@ -85,8 +85,8 @@ def add_serve_flags(
             flags = k.flags or (f"--{'no-' if default else ''}{f.name.replace('_', '-')}",)
             p.add_argument(*flags, action="store_false" if default else "store_true", **options)
             continue
-        if k.env:
-            default = os.environ.get(k.env, default)
+        if k.env is not None and (value := k.env.read()) is not None:
+            default = value
         options["default"] = default
         if k.metavar:
             options["metavar"] = k.metavar
