@@ -10,9 +10,13 @@ every turn equals the same session on a coordinator started with `--no-prefix-ca
 from __future__ import annotations
 
 import itertools
+import json
+import re
 from collections.abc import Callable, Iterator
 
 import anthropic
+import httpx
+import ollama
 import openai
 import pytest
 
@@ -38,10 +42,10 @@ def servers(checkpoint_dir) -> Iterator[dict[str, dict]]:
     model = checkpoint_dir("qwen2", seed=5, chat_template=TOOL_CHAT_TEMPLATE,
                            max_position_embeddings=2048)  # fmt: skip
     with (
-        http_coordinator(model, "--api-key", KEY) as on,
+        http_coordinator(model, "--api-key", KEY, "--metrics-port", "0") as on,
         http_coordinator(model, "--api-key", KEY, "--no-prefix-cache") as off,
     ):
-        yield {name: {"http": c.http, "root": c.root, "model": model.name}
+        yield {name: {"http": c.http, "root": c.root, "model": model.name, "log": c.proc.log}
                for name, c in (("on", on), ("off", off))}  # fmt: skip
 
 
@@ -156,8 +160,8 @@ def _responses_session(server: dict) -> list[Turn]:
     return turns
 
 
-def _chat_messages(upto: int) -> list[dict]:
-    messages: list[dict] = [{"role": "system", "content": SYSTEM.format(api="chat")}]
+def _chat_messages(upto: int, api: str = "chat") -> list[dict]:
+    messages: list[dict] = [{"role": "system", "content": SYSTEM.format(api=api)}]
     for said, user in STEPS[: upto + 1]:
         if said is not None:
             text, call_id, city = said
@@ -173,21 +177,23 @@ def _chat_messages(upto: int) -> list[dict]:
     return messages
 
 
-def _chat_session(server: dict) -> list[Turn]:
-    tools = [{"type": "function", "function": {"name": "get_weather",
-              "description": "The weather of a city", "parameters": SCHEMA}}]  # fmt: skip
-    turns = []
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather",
+               "description": "The weather of a city", "parameters": SCHEMA}}]  # fmt: skip
+
+
+def _chat_turn(client: openai.OpenAI, server: dict, messages: list[dict]) -> Turn:
+    answer = client.chat.completions.create(
+        model=server["model"], messages=messages, tools=CHAT_TOOLS, temperature=0, max_tokens=6
+    )
+    use = answer.usage
+    return (answer.choices[0].message.content or "", use.prompt_tokens,
+            use.prompt_tokens_details.cached_tokens)  # fmt: skip
+
+
+def _chat_session(server: dict, api: str = "chat") -> list[Turn]:
     with openai.OpenAI(base_url=server["http"], api_key=KEY, max_retries=0,
                        timeout=120) as client:  # fmt: skip
-        for k in range(len(STEPS)):
-            answer = client.chat.completions.create(
-                model=server["model"], messages=_chat_messages(k), tools=tools,
-                temperature=0, max_tokens=6,
-            )  # fmt: skip
-            use = answer.usage
-            turns.append((answer.choices[0].message.content or "", use.prompt_tokens,
-                          use.prompt_tokens_details.cached_tokens))  # fmt: skip
-    return turns
+        return [_chat_turn(client, server, _chat_messages(k, api)) for k in range(len(STEPS))]
 
 
 @pytest.mark.parametrize("session", [_responses_session, _chat_session],
@@ -195,3 +201,74 @@ def _chat_session(server: dict) -> list[Turn]:
 def test_openai_tool_turns_read_the_cache(servers, session):
     on = _check_session(session, servers)
     assert on[-1][2] >= 0.5 * on[-1][1], on
+
+
+# ---------------------------------------------------------------- Ollama /api/chat
+
+
+def _hit_tokens(server: dict) -> int:
+    """The coordinator's prefix_cache_hit_tokens counter; 0 where it serves no metrics."""
+    found = [m for line in server["log"] if (m := re.search(r"metrics on (http://\S+)", line))]
+    if not found:
+        return 0
+    text = httpx.get(found[0].group(1), timeout=30).text
+    return int(float(re.search(r"^wedlm:prefix_cache_hit_tokens_total (\S+)$", text, re.M)[1]))
+
+
+def _ollama_session(server: dict) -> list[Turn]:
+    client = ollama.Client(host=server["root"], headers={"Authorization": f"Bearer {KEY}"},
+                           timeout=120)  # fmt: skip
+    turns = []
+    for k in range(len(STEPS)):
+        messages = _chat_messages(k)
+        messages[0]["content"] = SYSTEM.format(api="ollama")
+        for m in messages:  # Ollama's calls carry their arguments as an object, no ids
+            for call in m.get("tool_calls", ()):
+                del call["id"], call["type"]
+                call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+        before = _hit_tokens(server)
+        options = {"temperature": 0, "num_predict": 6}
+        answer = client.chat(model=server["model"], messages=messages, tools=CHAT_TOOLS,
+                             stream=False, options=options)  # fmt: skip
+        turns.append((answer.message.content, answer.prompt_eval_count,
+                      _hit_tokens(server) - before))  # fmt: skip
+    return turns
+
+
+def test_ollama_tool_turns_read_the_cache(servers):
+    on = _check_session(_ollama_session, servers)
+    assert on[-1][2] >= 0.5 * on[-1][1], on
+
+
+# ---------------------------------------------------------------- an earlier turn re-rendered
+
+
+def _tokens(server: dict, messages: list[dict]) -> list[int]:
+    body = {"model": server["model"], "messages": messages, "tools": CHAT_TOOLS}
+    got = httpx.post(f"{server['root']}/tokenize", json=body, timeout=60,
+                     headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    assert got.status_code == 200, got.text
+    return got.json()["tokens"]
+
+
+def test_a_changed_earlier_turn_still_reads_up_to_the_change(servers):
+    """The client drops an early assistant text (as templates drop old reasoning): the next
+    turn reads every row before the first differing token, not nothing."""
+    on, off = servers["on"], servers["off"]
+    _chat_session(on, api="rerender")
+    last = _chat_messages(len(STEPS) - 1, api="rerender")
+    changed = [dict(m) for m in last]
+    changed[2]["content"] = ""  # "Checking." gone from the first assistant turn
+    changed += [{"role": "assistant", "content": "Rain in Rome."},
+                {"role": "user", "content": "Thanks."}]  # fmt: skip
+    was, now = _tokens(on, last), _tokens(on, changed)
+    agree = next(i for i, (a, b) in enumerate(zip(was, now, strict=False)) if a != b)
+    assert 16 <= agree < len(was) - 50, (agree, len(was))  # the change is early
+    with (
+        openai.OpenAI(base_url=on["http"], api_key=KEY, max_retries=0, timeout=120) as a,
+        openai.OpenAI(base_url=off["http"], api_key=KEY, max_retries=0, timeout=120) as b,
+    ):
+        hit, cold = _chat_turn(a, on, changed), _chat_turn(b, off, changed)
+    assert hit[0] == cold[0] and hit[1] == cold[1] == len(now)
+    # the first answer's generated tokens may agree a few more before differing
+    assert agree <= hit[2] <= agree + 6, (agree, hit)
