@@ -261,8 +261,8 @@ def write_random_checkpoint(
     by mlx-lm at `out` (reused when a complete one of the same config is there)."""
     from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 
-    config = json.loads(json.dumps(config))
-    want = {"config": config, "bits": bits, "mode": mode}
+    config = json.loads(json.dumps(config))  # a copy: the ids and quantization go in below
+    want = {"config": json.loads(json.dumps(config)), "bits": bits, "mode": mode}
     done = out / ".complete"
     if done.exists() and json.loads(done.read_text()) == want:
         return out
