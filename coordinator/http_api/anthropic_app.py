@@ -293,7 +293,9 @@ def add_anthropic_routes(app: FastAPI, backend: ApiBackend, parsing: asyncio.Sem
         start = {"id": message_id, "type": "message", "role": "assistant",
                  "model": backend.model_name, "content": [], "stop_reason": None,
                  "stop_sequence": None,
-                 "usage": {"input_tokens": gen.prompt_tokens, "output_tokens": 0}}  # fmt: skip
+                 # the cached rows are known once it ran: message_delta gives the split
+                 "usage": {"input_tokens": gen.prompt_tokens, "cache_creation_input_tokens": 0,
+                           "cache_read_input_tokens": 0, "output_tokens": 0}}  # fmt: skip
         yield _sse("message_start", {"type": "message_start", "message": start})
 
         def blocks(pieces):
