@@ -97,24 +97,21 @@ def spawn_command(argv: list[str], env: dict[str, str] | None = None, group: boo
     return proc
 
 
+def _listening(module: str, *args: str, env: dict[str, str] | None) -> tuple[Proc, str]:
+    """A server started and its address, once it says where it listens."""
+    proc = spawn(module, *args, env=env)
+    return proc, proc.expect(r"listening on (127\.0\.0\.1:\d+)").group(1)
+
+
 def start_worker(
     model: Path, cluster: str, *extra: str, env: dict[str, str] | None = None
 ) -> tuple[Proc, str]:
-    proc = spawn(
+    return _listening(
         "shard_worker.cli",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--cluster",
-        cluster,
+        "--model", str(model), "--host", "127.0.0.1", "--port", "0", "--cluster", cluster,
         *extra,
         env=env,
-    )
-    m = proc.expect(r"listening on (127\.0\.0\.1:\d+)")
-    return proc, m.group(1)
+    )  # fmt: skip
 
 
 def start_fetching_worker(
@@ -122,14 +119,12 @@ def start_fetching_worker(
 ) -> tuple[Proc, str]:
     """A worker without a model: it fetches its layers from the coordinator into
     `cache_dir`."""
-    proc = spawn(
+    return _listening(
         "shard_worker.cli",
         "--cache-dir", str(cache_dir), "--host", "127.0.0.1", "--port", "0",
         "--cluster", cluster, "--no-bonjour", *extra,
         env=env,
     )  # fmt: skip
-    m = proc.expect(r"listening on (127\.0\.0\.1:\d+)")
-    return proc, m.group(1)
 
 
 def gpu_env(index: int, gpus: int, workers: int) -> dict[str, str] | None:
@@ -146,20 +141,11 @@ def start_coordinator(
 ) -> tuple[Proc, str]:
     if "--state-dir" not in extra:  # tests keep no jobs unless they say where
         extra = (*extra, "--state-dir", "none")
-    proc = spawn(
+    return _listening(
         "coordinator.service.server_cli",
-        "serve",
-        "--model",
-        str(model),
-        "--port",
-        "0",
-        "--cluster",
-        cluster,
-        *extra,
+        "serve", "--model", str(model), "--port", "0", "--cluster", cluster, *extra,
         env=env,
-    )
-    m = proc.expect(r"listening on (127\.0\.0\.1:\d+)")
-    return proc, m.group(1)
+    )  # fmt: skip
 
 
 @dataclass
