@@ -70,8 +70,7 @@ class GenerationParams:
             raise bad(f"draft must be one of {', '.join(DRAFT_SOURCES)}, got {self.draft!r}")
         if self.draft != "auto" and self.mode != Mode.SPECULATIVE:
             raise bad(
-                f"draft {self.draft!r} applies to mode speculative only "
-                f"(mode is {str(self.mode)!r})"  # str: a member's repr is not its word
+                f"draft {self.draft!r} applies to mode speculative only (mode is {self.mode!r})"
             )
         if self.sampler not in DIFFUSION_SAMPLERS:
             raise bad(
