@@ -42,12 +42,20 @@ def family_mode(checkpoint_mode: str, recurrent: bool) -> str:
     )
 
 
-def refused_mode(mode: str, family: str, recurrent: bool) -> str | None:
+def refused_mode(mode: str, family: str, recurrent: bool, sliding: bool = False) -> str | None:
     """Why `mode` cannot decode this family (None: it can)."""
     if recurrent and mode in (Mode.WEDLM, Mode.SPECULATIVE):
         return (
             f"mode {mode} is not served for {family}: it has recurrent layers (linear "
             f"attention or state-space), whose state cannot take back the rows that "
             f"{'WeDLM windows' if mode == 'wedlm' else 'rejected drafts'} write (use mode ar)"
+        )
+    if sliding and mode == Mode.WEDLM:
+        # a window's slots are reordered (committed and filled first), and the sliding
+        # mask counts slots, not logical positions: near a window's edge it would be off
+        return (
+            f"mode wedlm is not served for {family}: it has sliding-window or chunked "
+            f"attention layers, whose masks WeDLM's reordered windows do not keep yet "
+            f"(use mode ar or speculative)"
         )
     return None

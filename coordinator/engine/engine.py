@@ -264,19 +264,13 @@ class Engine:
         if bad:
             raise InvalidRequest(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
         refused = refused_mode(
-            params.mode, self.config.family, getattr(self.parts, "recurrent", False)
+            params.mode,
+            self.config.family,
+            getattr(self.parts, "recurrent", False),
+            getattr(self.parts, "sliding", False),
         )
         if refused:
             raise InvalidRequest(refused)
-        if params.mode == Mode.WEDLM and getattr(self.parts, "sliding", False):
-            # a window's slots are reordered (committed and filled first), and the sliding
-            # mask counts slots, not logical positions: near a window's edge it would be off
-            raise InvalidRequest(
-                f"mode wedlm is not served for {self.config.family}: it has sliding-window "
-                f"or chunked attention layers, whose masks WeDLM's reordered windows do not "
-                f"keep yet "
-                f"(use mode ar or speculative)"
-            )
         masks = params.mode == Mode.WEDLM or params.draft == "mask"
         if masks and not 0 <= self.config.mask_token_id < vocab:
             what = "WeDLM mode" if params.mode == Mode.WEDLM else "mask-slot drafts"
