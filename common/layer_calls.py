@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from common.errors import CheckpointError, WedlmError
 
@@ -60,7 +61,10 @@ class _IntOffset:
         self._cache = cache
         offset = cache.offset
         if isinstance(offset, mx.array) and offset.ndim:
-            if int(offset.max().item()) + width > floor_scale:
+            # the offsets were made from the host's lengths (KVRows.begin): reading them
+            # back waits for nothing, where offset.max().item() would queue behind the
+            # forward's kernels and sync the host once per such layer
+            if int(np.asarray(offset).max()) + width > floor_scale:
                 raise WedlmError(
                     f"llama4 cannot batch rows at different positions past {floor_scale} "
                     "(its attention temperature takes one offset)"
