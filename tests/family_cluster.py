@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from common.generation_params import GenerationParams
 from common.tokenizer import Tokenizer
 from tests.checkpoints import SLIDING_WINDOW, mlx_lm_greedy
-from tests.cluster_harness import Proc, start_coordinator
+from tests.cluster_harness import Proc, cluster_name, start_coordinator, start_worker
 from wedlm_client.client import WedlmClient
 
 # 46 tokens: longer than the window and than the prefix cache's blocks of 16
@@ -124,3 +125,24 @@ def check_prefixes(grpc: str, path, cached: bool, forks_anywhere: bool = True) -
     if forks_anywhere:  # the blocks of 16 that the shared prefix fills, at least
         hits = [again["cached_tokens"]] + [r["cached_tokens"] for r in batched[:2]]
         assert all(h >= prefix // 16 * 16 for h in hits), hits
+
+
+@contextmanager
+def three_stages(path: Path) -> Iterator[tuple[list[tuple[Proc, str]], str]]:
+    """The coordinator and two workers that take the layers they are given (3 stages, 2
+    micro-batches in flight), serving: (the workers and their addresses, the gRPC address).
+    Every process is stopped on the way out."""
+    name = cluster_name()
+    workers = [start_worker(path, name, "--no-bonjour") for _ in range(2)]
+    procs = [w for w, _ in workers]
+    try:
+        listed = [a for _, addr in workers for a in ("--worker", addr)]
+        coord, grpc = start_coordinator(
+            path, name, "--no-bonjour", *listed, "--expect", "2", "--micro-batches", "2"
+        )
+        procs.append(coord)
+        coord.expect("serving", timeout=240)
+        yield workers, grpc
+    finally:
+        for p in procs:
+            p.stop()

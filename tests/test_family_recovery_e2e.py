@@ -16,13 +16,14 @@ import signal
 import pytest
 
 from tests.checkpoints import make_mlx_checkpoint
-from tests.cluster_harness import cluster_name, start_coordinator, start_worker
+from tests.cluster_harness import cluster_name, start_worker
 from tests.family_cluster import (
     check_prefixes,
     coordinator_before,
     encode_all,
     mlx_lm_tokens,
     streams_with_fault,
+    three_stages,
 )
 from wedlm_client.client import WedlmClient
 
@@ -62,16 +63,7 @@ def test_a_killed_worker_is_replayed(models, family):
     """Three stages (the coordinator and two workers that take the layers they are
     given); 4 AR streams at once; one worker killed mid-generation."""
     path = models[family]
-    name = cluster_name()
-    workers = [start_worker(path, name, "--no-bonjour") for _ in range(2)]
-    procs = [w for w, _ in workers]
-    try:
-        listed = [a for _, addr in workers for a in ("--worker", addr)]
-        coord, grpc = start_coordinator(
-            path, name, "--no-bonjour", *listed, "--expect", "2", "--micro-batches", "2"
-        )
-        procs.append(coord)
-        coord.expect("serving", timeout=240)
+    with three_stages(path) as (workers, grpc):
         with WedlmClient(grpc) as client:
             before = client.cluster_status()
         held = {w.address: w.info.has_layers for w in before.workers if w.health == "serving"}
@@ -86,6 +78,3 @@ def test_a_killed_worker_is_replayed(models, family):
             after = client.cluster_status()
         serving = [w.address for w in after.workers if w.health == "serving"]
         assert serving == [workers[0][1]], serving
-    finally:
-        for p in procs:
-            p.stop()

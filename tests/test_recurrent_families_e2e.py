@@ -19,7 +19,7 @@ from common.generation_params import GenerationParams
 from common.tokenizer import Tokenizer
 from tests.checkpoints import make_mlx_checkpoint, mlx_lm_greedy
 from tests.cluster_harness import cluster_name, start_coordinator, start_worker
-from tests.family_cluster import encode_all, mlx_lm_tokens, streams_with_fault
+from tests.family_cluster import encode_all, mlx_lm_tokens, streams_with_fault, three_stages
 from tests.test_recurrent_families import SPECS
 from wedlm_client.client import ClusterError, WedlmClient
 
@@ -100,25 +100,13 @@ def test_a_killed_worker_is_replayed(tmp_path):
     layers it held are rebuilt on the others from each stream's tokens."""
     # seed 5: no stream stops early (the fault must land mid-stream in all of them)
     path = make_mlx_checkpoint(tmp_path / "m", "qwen3_next", seed=5, spec=SPECS["qwen3_next"])
-    name = cluster_name()
-    workers = [start_worker(path, name, "--no-bonjour") for _ in range(2)]
-    procs = [w for w, _ in workers]
-    try:
-        listed = [a for _, addr in workers for a in ("--worker", addr)]
-        coord, grpc_address = start_coordinator(
-            path, name, "--no-bonjour", *listed, "--expect", "2", "--micro-batches", "2"
-        )
-        procs.append(coord)
-        coord.expect("serving", timeout=240)
+    with three_stages(path) as (workers, grpc_address):
         prompts = encode_all(path, STREAMS)
         victim = workers[1][0].popen.pid
         got = streams_with_fault(
             grpc_address, prompts, STREAM_TOKENS, lambda: os.kill(victim, signal.SIGKILL)
         )
         assert got == mlx_lm_tokens(path, prompts, STREAM_TOKENS)
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_a_worker_fetches_a_mamba_hybrids_layers(tmp_path):
