@@ -50,7 +50,6 @@ HOP_TARGET_MS = 0.5  # per-hop overhead at 256 KiB
 PREFILL_ROWS = 512  # one prefill chunk
 STEP_TARGET = 1.15  # 2 workers / single process
 WINDOW = 16
-LISTENING = r"listening on (127\.0\.0\.1:\d+)"
 
 
 # ---- (1) per-hop overhead -------------------------------------------------------------------

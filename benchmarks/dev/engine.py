@@ -14,7 +14,7 @@ import importlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -145,33 +145,6 @@ def swapped(layers: list[nn.Module], names: tuple[str, ...], values: list[dict])
     finally:
         for layer, old in zip(layers, saved, strict=True):
             layer.update_modules(old)
-
-
-def prefilled_rows(parts: ModelParts, context: int, rng: np.random.Generator) -> KVRows:
-    """One cache row holding a random prompt of `context` tokens, committed."""
-    kv = KVRows(len(parts.layers), 1)
-    prompt = rng.integers(0, parts.config.vocab_size, (1, context)).astype(np.int32)
-    mx.eval(window_forward(parts, kv, prompt, np.tri(context, dtype=bool)[None]))
-    kv.commit([context])
-    return kv
-
-
-def random_window_forward(parts: ModelParts, kv: KVRows, t: int, rng: np.random.Generator,
-                          causal: bool = False) -> Callable[[], mx.array]:  # fmt: skip
-    """A forward of t random tokens at the cache's length, never committed: one row (an AR
-    step's, no mask), or a WeDLM window (explicit non-causal mask; `causal`: a causal one)
-    with the head on every slot."""
-    if t == 1 or causal:
-        windows = np.tri(t, dtype=bool)[None]
-    else:
-        windows = window_visibility(wedlm_filled(t))[None]
-    heads = np.arange(t)[None] if t > 1 else None
-
-    def forward() -> mx.array:
-        tokens = rng.integers(0, parts.config.vocab_size, (1, t)).astype(np.int32)
-        return window_forward(parts, kv, tokens, windows, heads)
-
-    return forward
 
 
 def bench_forward(

@@ -13,57 +13,20 @@ import itertools
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
 
 from wedlm_client.bench.records import PROMPTS, Rec, Schedule, now, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
-# the closed loop's records live in the `wedlm bench` tool; re-exported for these scripts
-__all__ = ["PROMPTS", "Arrivals", "Rec", "Schedule", "now", "summarize"]
-
-
-# ---- mlx-lm BatchGenerator -----------------------------------------------------------------
-class Arrivals:
-    """When a closed loop's next requests come: at once, or each after a random delay of
-    up to `delay_s` (a client's round trip: arrivals then scatter as they do over a
-    network). `due()` says how many are due now."""
-
-    def __init__(self, delay_s: float = 0.0, seed: int = 0) -> None:
-        self.delay_s = delay_s
-        self._rng = np.random.default_rng(seed)
-        self._times: list[float] = []
-
-    def later(self) -> None:
-        self._times.append(now() + self._rng.uniform(0.0, self.delay_s))
-
-    def due(self) -> int:
-        t = now()
-        ready = [x for x in self._times if x <= t]
-        self._times = [x for x in self._times if x > t]
-        return len(ready)
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._times)
-
-    def wait(self) -> None:
-        """Sleep until the next one is due (nothing else to do)."""
-        if self._times:
-            time.sleep(max(min(self._times) - now(), 0.0))
 
 
 def level(model, prompts: list[list[int]], stops: list[int], c: int, args) -> dict:
-    """One concurrency level; a token's time is when BatchGenerator hands it back.
-    `args.arrival_delay_ms` (optional): each next request comes up to that much later."""
+    """One concurrency level; a token's time is when BatchGenerator hands it back."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, max_tokens=args.max_tokens, stop_tokens=[[t] for t in stops],
                          completion_batch_size=c, prefill_batch_size=c)  # fmt: skip
     schedule = Schedule(args.duration, args.requests, args.warmup)
-    arrivals = Arrivals(getattr(args, "arrival_delay_ms", 0.0) / 1e3)
     recs: list[Rec] = []
     live: dict[int, Rec] = {}
     order = itertools.count()
@@ -74,14 +37,10 @@ def level(model, prompts: list[list[int]], stops: list[int], c: int, args) -> di
 
     for _ in range(c):
         insert()
-    while live or arrivals.pending:
-        for _ in range(arrivals.due()):
-            insert()
-        if not live:
-            arrivals.wait()
-            continue
+    while live:
         responses = gen.next_generated()
         t = now()
+        finished = 0
         for r in responses:
             rec = live[r.uid]
             rec.events.append((t, 1))  # a stop token counts, as in the engine's output
@@ -89,7 +48,9 @@ def level(model, prompts: list[list[int]], stops: list[int], c: int, args) -> di
                 rec.end = t
                 rec.final = {"tokens_per_forward": 1.0, "forwards": len(rec.events)}
                 recs.append(live.pop(r.uid))
-                arrivals.later()
+                finished += 1
+        for _ in range(finished):  # the closed loop: each finished request's next
+            insert()
     gen.close()
     stats = summarize(recs, schedule.window)
     print(f"  mlx-lm C={c}: {stats['tok_s']} tok/s, TTFT p50 {stats['ttft_ms_p50']} ms",

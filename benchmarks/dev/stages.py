@@ -56,11 +56,12 @@ from benchmarks.dev import grpc_floor, relay_hops
 from benchmarks.dev.bench_cluster import Cluster
 from benchmarks.dev.bench_io import add_random_model_flags
 from benchmarks.dev.serve import grpc_level, hop_timings, prepare_model, ratio, sweep
-from benchmarks.dev.serve_mlxlm import PROMPTS, Rec, now, sweep_in_subprocess
+from benchmarks.dev.serve_mlxlm import sweep_in_subprocess
 from benchmarks.dev.stages_report import TARGETS, plot, summary
 from common.generation_params import GenerationParams
 from common.model_config import load_model_config
 from wedlm_client.bench.clients import stream_request
+from wedlm_client.bench.records import PROMPTS, Rec, now
 from wedlm_client.client import WedlmClient
 
 PHASES = ("fresh", "alone", "single", "hops", "gpus2")

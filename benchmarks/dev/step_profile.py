@@ -54,12 +54,11 @@ import common.window_mask as window_mask
 import coordinator.engine.engine as engine_module
 import coordinator.engine.selection as selection
 from benchmarks.dev.bench_io import build_then_wait, finish, pyplot, run_info
-from benchmarks.dev.engine import wedlm_filled, window_forward
-from benchmarks.dev.projection_fusion import unfused_layers
+from benchmarks.dev.engine import swapped, wedlm_filled, window_forward
 from benchmarks.dev.speculative import COUNTING
 from common.generation_params import GenerationParams
 from common.kv_rows import KVRows
-from common.model_parts import load_model_parts
+from common.model_parts import ModelParts, load_model_parts
 from common.window_mask import window_visibility
 from coordinator.engine.local_engine import open_local_engine
 
@@ -150,6 +149,18 @@ def eager_extras(on: bool):
     finally:
         for (module, name, _), old in zip(swaps, saved, strict=True):
             setattr(module, name, old)
+
+
+@contextmanager
+def unfused_layers(parts: ModelParts, unfused: list[nn.Module] | None):
+    """`parts`' layers run with `unfused`'s attention and MLP modules (the same weights,
+    loaded with fuse=False) while the block lasts; None leaves them as they are."""
+    if unfused is None:
+        yield
+        return
+    names = ("self_attn", "mlp")
+    with swapped(parts.layers, names, [{n: ref[n] for n in names} for ref in unfused]):
+        yield
 
 
 @contextmanager

@@ -5,15 +5,15 @@ prompts (greedy, so the ranks stay in step); rank 0 writes the result file.
 
 - bench: single-stream decode (`generate_step`, mlx-lm's loop with its async eval: tok/s
   from the first token to the last), C-stream aggregate decode (`BatchGenerator`, the
-  median step while all C decode, as benchmarks/dev/batch_decode.py measures it) and
+  median step while all C decode, its first SKIP steps left out) and
   prefill (`generate_step`'s time to its first token for a prompt of P tokens, its own
   2048-token chunks).
 - profile: one decode step at a fixed context, synchronously (build the lazy graph, then
   eval it and wait), with the all_sum of every `ShardedToAllLinear` (o_proj, down_proj:
   2 per layer) as mlx-lm has it and with it replaced by the identity (the same matmuls, no
   collective: the numbers the ranks then compute are wrong and they drift apart, the time
-  is each rank's compute alone); and the all_sums alone, chained as a forward issues them
-  (benchmarks/dev/tp_costs.py's measurement, here on this group's backend)."""
+  is each rank's compute alone); and the all_sums alone, one at a time and chained as a
+  forward issues them, on this group's backend."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.dev.bench_io import build_then_wait, now
+from benchmarks.dev.bench_io import build_then_wait, median_ms, now
+
+SKIP = 4  # first decode steps of a BatchGenerator run are not measured (new shapes)
 
 
 def rank_main(task: str, p: dict[str, Any]) -> None:
@@ -99,18 +101,47 @@ def decode(model, ids: mx.array, tokens: int, repeats: int) -> dict[str, Any]:
 
 def batch(model, c: int, tokens: int, repeats: int, vocab: int) -> dict[str, Any]:
     """C streams in mlx-lm's BatchGenerator: aggregate tok/s = C / the median step."""
-    from benchmarks.dev.batch_decode import SKIP, mlxlm_steps, prompts_for
-
     if tokens < SKIP + 3:
         raise ValueError(f"batch needs --tokens >= {SKIP + 3} (its first {SKIP} steps are skipped)")
     prompts = prompts_for(c, vocab)
     runs = []
     for r in range(repeats + 1):
-        ms = mlxlm_steps(model, prompts, tokens)["step_ms"]
+        ms = batch_step_ms(model, prompts, tokens)
         if r:
             runs.append(c * 1e3 / ms)
     return {"concurrency": c, "tokens": tokens, "tok_s": round(statistics.median(runs), 2),
             "runs_tok_s": [round(x, 2) for x in runs]}  # fmt: skip
+
+
+def prompts_for(batch: int, vocab: int, seed: int = 1) -> list[list[int]]:
+    """`batch` seeded prompts of different lengths (every row its own KV length)."""
+    rng = np.random.default_rng(seed)
+    high = min(vocab, 5000)
+    return [[int(t) for t in rng.integers(high // 10, high, 24 + 5 * i)] for i in range(batch)]
+
+
+def batch_step_ms(model, prompts: list[list[int]], n: int) -> float:
+    """The median BatchGenerator step (ms) while every row decodes, past the first SKIP."""
+    from mlx_lm.generate import BatchGenerator
+
+    b = len(prompts)
+    gen = BatchGenerator(model, max_tokens=n, stop_tokens=[], completion_batch_size=b,
+                         prefill_batch_size=b)  # fmt: skip
+    gen.insert(prompts)
+    steps, started = [], False
+    while True:
+        start = now()
+        responses = gen.next_generated()
+        dt = now() - start
+        if not responses:
+            break
+        if started and len(responses) == b and all(r.finish_reason is None for r in responses):
+            steps.append(dt)
+        started = started or len(responses) == b
+        if all(r.finish_reason is not None for r in responses):
+            break
+    gen.close()
+    return 1e3 * statistics.median(steps[SKIP:])
 
 
 def prefill(model, ids: mx.array, repeats: int) -> dict[str, Any]:
@@ -184,6 +215,27 @@ def step_profile(model, context: int, steps: int, vocab: int) -> dict[str, Any]:
             "layers_only_ms": round(statistics.median(layers) * 1e3, 3)}  # fmt: skip
 
 
+def all_sums_alone(group, hidden: int, chain: int, repeats: int) -> dict[str, Any]:
+    """Median ms of one all_sum of a bf16 hidden state (an eval each), and per all_sum when
+    `chain` of them run in one graph (the way a forward issues them: 2 per layer)."""
+    x = mx.ones((1, 1, hidden), mx.bfloat16)
+    mx.eval(x)
+    _barrier(group)
+    one = median_ms(lambda: mx.eval(mx.distributed.all_sum(x, group=group)), repeats, warmup=5)
+
+    def chained() -> None:
+        y = x
+        for _ in range(chain):  # the scale keeps values finite; it is one tiny op
+            y = mx.distributed.all_sum(y, group=group) * 0.5
+        mx.eval(y)
+
+    _barrier(group)
+    in_chain = median_ms(chained, max(3, repeats // 10), warmup=1) / chain
+    n = int(x.nbytes)
+    return {"message": f"hidden {hidden} bfloat16", "bytes": n, "ms_one": round(one, 4),
+            "ms_in_chain": round(in_chain, 4), "MB_s_one": round(n / one / 1e3, 1)}  # fmt: skip
+
+
 def profile(model, group, p: dict[str, Any]) -> dict[str, Any]:
     vocab = model.args.vocab_size
     out: dict[str, Any] = {"context": p["context"], "steps": p["steps"]}
@@ -196,12 +248,7 @@ def profile(model, group, p: dict[str, Any]) -> dict[str, Any]:
     with no_all_sum():
         out["without_all_sum"] = step_profile(model, p["context"], p["steps"], vocab)
     _barrier(group)
-    from benchmarks.dev.tp_costs import rank_collectives
-
-    hidden = model.args.hidden_size
-    alone = rank_collectives(group, {"repeats": p["collective_repeats"], "hiddens": [hidden],
-                                      "dtypes": ["bfloat16"], "kib": [], "chain": n})  # fmt: skip
-    row = alone["rows"][0]
+    row = all_sums_alone(group, model.args.hidden_size, n, p["collective_repeats"])
     per_step = round(row["ms_in_chain"] * n, 3)
     out["all_sum_alone"] = {**row, "chain": n, "ms_per_step_in_chain": per_step}
     return out
