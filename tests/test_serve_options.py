@@ -11,8 +11,8 @@ import pytest
 from common.errors import WedlmError
 from common.kv_format import KVFormat
 from coordinator.knobs import knobs
+from coordinator.service.serve_options import ServeOptions
 from coordinator.service.serve_settings import ServeSettings
-from coordinator.service.server import ServeOptions
 from coordinator.service.server_cli import build_parser, serve_options
 
 # a value other than the default for each setting, on its own flag

@@ -17,7 +17,7 @@ from coordinator.knobs import knobs
 from coordinator.service.serve_settings import ServeSettings
 
 if TYPE_CHECKING:
-    from coordinator.service.server import ServeOptions
+    from coordinator.service.serve_options import ServeOptions
 
 
 def state_dir(flag: Path | None) -> Path | None:
@@ -33,7 +33,7 @@ def serve_options(args: argparse.Namespace, **fixed) -> ServeOptions:
     """ServeOptions from the settings' flags (`local` has no serve-only ones: their defaults),
     with `fixed` ones in place of the flags'."""
     from coordinator.engine.local_engine import resolve_model
-    from coordinator.service.server import ServeOptions
+    from coordinator.service.serve_options import ServeOptions
 
     serve = getattr(args, "command", "serve") == "serve"
     values = {
