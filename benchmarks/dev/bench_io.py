@@ -79,6 +79,31 @@ def add_random_model_flags(ap: argparse.ArgumentParser, model: str = "default") 
     ap.add_argument("--ckpt-dir", type=Path, help="random-qwen3-8b: where to write it")
 
 
+def prepare_model(args: argparse.Namespace) -> tuple[Path, str]:
+    """The checkpoint add_random_model_flags' flags name, and its name for the output:
+    random-qwen3-8b is written once (devtools/random_checkpoints.py) and reused."""
+    if args.model != "random-qwen3-8b":
+        from coordinator.engine.local_engine import resolve_model
+
+        return resolve_model(args.model), args.model
+    from devtools.random_checkpoints import QWEN3_8B, write_random_qwen3
+
+    layers = args.layers_override or QWEN3_8B["layers"]
+    hidden = args.hidden_override or QWEN3_8B["hidden"]
+    path = args.ckpt_dir or Path(f"/tmp/wedlm-random-qwen3-8b-L{layers}-H{hidden}")
+    write_random_qwen3(path, layers, hidden)
+    return path, f"random-qwen3-8b(layers={layers},hidden={hidden},bf16)"
+
+
+def device_name() -> str:
+    import mlx.core as mx
+
+    try:  # not every backend names its device
+        return f"{mx.default_device()} {mx.device_info().get('device_name', '')}".strip()
+    except Exception:
+        return str(mx.default_device())
+
+
 def add_random_shape_flags(ap: argparse.ArgumentParser, model: str = "default") -> None:
     """--model and the in-process random Qwen3-8B's --layers / --hidden."""
     ap.add_argument("--model", default=model)

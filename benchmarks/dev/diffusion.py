@@ -9,22 +9,15 @@ Phases (--phases):
   samplers  Single stream, one 256-token answer per request (one canvas), --repeats each,
             faithful and turbo interleaved, in one process: tok/s, denoising steps per
             canvas and milliseconds per step (medians).
-  confident The samplers phase with the temperature schedule lowered (--confident-temps):
-            confident steps, so canvases drain early and turbo's active set shrinks.
-  ablation  Turbo with one technique switched off at a time (compaction, repair, the
-            two-stage schedule, EOS tail-drop, top-K size), B = 1 and 4, both schedules.
   batch     B canvases denoised together (B = --batch, turbo and faithful): aggregate tok/s
             over B requests submitted at once, medians of --repeats; ratios to B = 1.
-  stages    The coordinator (first half of the layers, GPU 0) + 1 worker (second half, GPU 1)
-            vs the coordinator alone (every layer, GPU 0), as real processes over gRPC: a
-            burst of --stage-batch turbo requests, --repeats alternated: aggregate tok/s.
 
 Random weights decide how confident a step is, hence how many steps a canvas takes: those
 counts describe this checkpoint, not DiffusionGemma's text. The per-step costs and the
-batching ratios are what carries over.
+batching ratios are what carries over. The phases confident, ablation and stages (runs
+D4-D6, history only) left with issue 55: `git log -S phase_ablation` finds them.
 
   python benchmarks/dev/diffusion.py --layers 30 --phases samplers batch --out OUT
-  python benchmarks/dev/diffusion.py --layers 30 --gpus 2 --phases stages --out OUT
   python benchmarks/dev/diffusion.py --replot OUT/diffusion.json
 """
 
@@ -34,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -219,63 +211,6 @@ def phase_samplers(engine, args) -> dict:
     return out
 
 
-def phase_confident(engine, args) -> dict:
-    """The samplers again with the temperature schedule lowered (--confident-temps): steps
-    commit many positions, canvases drain early, and turbo's active set shrinks."""
-    from dataclasses import replace
-
-    settings = engine.settings
-    engine.settings = engine.scheduler.settings = replace(
-        settings, temperatures=tuple(args.confident_temps)
-    )
-    try:
-        out = phase_samplers(engine, args)
-        out["temperatures"] = list(args.confident_temps)
-        out["compacted_rows"] = engine.scheduler.compacted_rows
-        return out
-    finally:
-        engine.settings = engine.scheduler.settings = settings
-
-
-ABLATIONS = {  # turbo with one technique switched (TurboSettings fields)
-    "turbo": {},
-    "no compaction": {"compact": False},
-    "no repair": {"repair": False},
-    "one threshold 0.9": {"thresholds": (0.9, 0.9)},
-    "no EOS tail-drop": {"eos_tail_drop": False},
-    "top-K 16": {"top_k": 16, "conditioning_k": 16},
-}
-
-
-def phase_ablation(engine, args) -> dict:
-    """Turbo with each technique switched off in turn (single stream and B = 4, the
-    model's schedule and the lowered one): tok/s, forwards per canvas, ms per forward."""
-    from dataclasses import replace
-
-    base = engine.settings
-    out: dict = {}
-    for temps in (base.temperatures, tuple(args.confident_temps)):
-        key = f"t {temps[1]}->{temps[0]}"
-        out[key] = {}
-        for name, change in ABLATIONS.items():
-            settings = replace(base, temperatures=temps, turbo=replace(base.turbo, **change))
-            engine.settings = engine.scheduler.settings = settings
-            try:
-                row = {}
-                for b in (1, 4):
-                    run_requests(engine, b, "turbo", args.max_tokens, steps=3)  # compile
-                    recs = [
-                        run_requests(engine, b, "turbo", args.max_tokens, args.steps)
-                        for _ in range(args.repeats)
-                    ]
-                    row[f"B{b}"] = _medians(recs)
-            finally:
-                engine.settings = engine.scheduler.settings = base
-            log(f"ablation {key} {name}: {row}")
-            out[key][name] = row
-    return out
-
-
 def _medians(recs: list[dict]) -> dict:
     keys = ("tok_s", "steps_per_canvas", "ms_per_forward", "wall_s")
     return {k: med(r[k] for r in recs) for k in keys}
@@ -358,63 +293,6 @@ def phase_split(engine, args) -> dict:
     return out
 
 
-# ---- as processes: 2 stages vs 1 -----------------------------------------------------------
-def burst_rate(address: str, b: int, max_tokens: int) -> dict:
-    from common.generation_params import GenerationParams
-    from wedlm_client.client import WedlmClient
-
-    barrier = threading.Barrier(b + 1)
-    counts = [0] * b
-
-    def one(i: int) -> None:
-        with WedlmClient(address, timeout=600) as client:
-            barrier.wait()
-            params = GenerationParams(mode="diffusion", max_tokens=max_tokens, seed=i)
-            counts[i] = len(client.generate(ids=PROMPT, params=params)["tokens"])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(b)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    return {"tokens": sum(counts), "wall_s": round(wall, 3), "tok_s": round(sum(counts) / wall, 2)}
-
-
-def phase_stages(model: Path, args) -> dict:
-    from benchmarks.dev.bench_cluster import Cluster
-
-    b = args.stage_batch
-    alone = Cluster(model, 0, max_running=b, gpus=args.gpus, local=True)
-    two = Cluster(model, 1, max_running=b, gpus=args.gpus, local=True)
-    try:
-        a_addr = alone.start_coordinator()
-        t_addr = two.start_coordinator()
-        log(f"stages: alone {alone.layout()}; two {two.layout()}")
-        for addr in (a_addr, t_addr):  # compile
-            burst_rate(addr, b, 16)
-        rounds = []
-        for r in range(args.repeats):
-            one = burst_rate(a_addr, b, args.max_tokens)
-            both = burst_rate(t_addr, b, args.max_tokens)
-            log(f"stages {r + 1}/{args.repeats}: alone {one}, two {both}")
-            rounds.append({"alone": one, "two_stages": both})
-        return {
-            "batch": b,
-            "layout_alone": alone.layout(),
-            "layout_two": two.layout(),
-            "alone_tok_s": med(x["alone"]["tok_s"] for x in rounds),
-            "two_stages_tok_s": med(x["two_stages"]["tok_s"] for x in rounds),
-            "ratio": med(x["two_stages"]["tok_s"] / x["alone"]["tok_s"] for x in rounds),
-            "rounds": rounds,
-        }
-    finally:
-        alone.stop()
-        two.stop()
-
-
 # ---- report --------------------------------------------------------------------------------
 def plot(result: dict, path: Path) -> None:
     import matplotlib
@@ -422,7 +300,7 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     s = result.get("samplers")
     if isinstance(s, dict) and "turbo" in s:
         names = ["faithful", "turbo"]
@@ -445,11 +323,6 @@ def plot(result: dict, path: Path) -> None:
         axes[1].set_ylabel("aggregate tok/s")
         axes[1].set_title("batched canvases")
         axes[1].legend()
-    st = result.get("stages")
-    if isinstance(st, dict) and "alone_tok_s" in st:
-        axes[2].bar(["1 process", "2 stages"], [st["alone_tok_s"], st["two_stages_tok_s"]])
-        axes[2].set_title(f"B={st['batch']} turbo: 2 stages / 1 = {st['ratio']:.2f}")
-        axes[2].set_ylabel("aggregate tok/s")
     fig.suptitle(f"DiffusionGemma-26B-A4B shape, {result.get('layers')} layers, 4-bit, "
                  f"{result.get('device', '')}")  # fmt: skip
     fig.tight_layout()
@@ -473,11 +346,6 @@ def parse_args():
     p.add_argument("--steps", type=int, default=0, help="steps per canvas (0: the model's)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--batch-samplers", nargs="+", default=["turbo", "faithful"])
-    p.add_argument("--stage-batch", type=int, default=4)
-    p.add_argument("--gpus", type=int, default=0)
-    p.add_argument(
-        "--confident-temps", type=float, nargs=2, default=[0.05, 0.1], metavar=("MIN", "MAX")
-    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--name", default="diffusion")
     p.add_argument("--replot", type=Path)
@@ -511,16 +379,10 @@ def main() -> None:
     engine = None
     for phase in args.phases:
         try:
-            if phase == "stages":
-                engine = None
-                result[phase] = phase_stages(model, args)
-                continue
             if engine is None:
                 engine = open_engine(model, max(args.batch))
             fn = {
                 "samplers": phase_samplers,
-                "confident": phase_confident,
-                "ablation": phase_ablation,
                 "batch": phase_batch,
                 "split": phase_split,
             }[phase]

@@ -1,14 +1,15 @@
-"""Serving benchmark: a closed-loop load generator over the coordinator's gRPC API.
+"""Serving benchmark: a closed-loop load generator over the coordinator's gRPC API, on a
+cluster it starts.
 
 At each concurrency C, C client threads each send a request, wait for it to finish and send
 the next. Per level: aggregate output tok/s, TTFT, time per output token (TPOT), inter-token
-latency (ITL), tokens per forward and failures. Also: the same sweep on mlx-lm's
-BatchGenerator (benchmarks/dev/serve_mlxlm.py, in a subprocess), 1 vs P micro-batches in flight
-(--workers >= 2) and WeDLM vs AR on a WeDLM checkpoint. Prints one JSON object and writes
-serve.json + serve.png to --out.
+latency (ITL), tokens per forward and failures (`grpc_level`, which stages.py shares).
+Phases: pipeline, 1 vs P micro-batches in flight (--workers >= 2); http, the `openai`
+package against gRPC (serve_http.py). Prints one JSON object and writes serve.json (and
+serve-http.png) to --out. The phases sweep, mlxlm and wedlm (runs S1-S6, WV1, history
+only) left with issue 55: `git log -S run_wedlm_phase` finds them; `wedlm bench serve`
+sweeps a running cluster.
 
-  python benchmarks/dev/serve.py --model default --concurrency 1 2 4 8 --max-tokens 24
-  python benchmarks/dev/serve.py --model default --workers 0 --phases mlxlm sweep  # alone
   python benchmarks/dev/serve.py --model random-qwen3-8b --workers 2 --phases pipeline
   python benchmarks/dev/serve.py --model default --workers 0 --phases http --concurrency 1 16 32
 """
@@ -29,19 +30,21 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.dev.bench_cluster import GPUS_HELP, Cluster
-from benchmarks.dev.bench_io import add_random_model_flags, finish, finish_axes, save_json
+from benchmarks.dev.bench_io import (
+    add_random_model_flags,
+    device_name,
+    finish,
+    prepare_model,
+    save_json,
+)
 from benchmarks.dev.serve_http import http_url_of, http_vs_grpc, plot_http
-from benchmarks.dev.serve_mlxlm import sweep_in_subprocess
 from common.generation_params import GenerationParams
-from coordinator.engine.local_engine import resolve_model
 from wedlm_client.bench.clients import grpc_thread, stream_request
 from wedlm_client.bench.records import PROMPTS, Rec, Schedule, now, summarize
 from wedlm_client.client import WedlmClient
 
-COUNTING = ("Count from 1 to 100: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",)  # where the weak model works
-TARGETS = {"c16_over_c1": 6.0, "ar_over_mlxlm_min": 1.0, "pipeline_p_over_1": 1.3,
-           "http_over_grpc_tok_s": 0.95}  # fmt: skip
-PHASES = ("sweep", "mlxlm", "pipeline", "wedlm", "http")
+TARGETS = {"pipeline_p_over_1": 1.3, "http_over_grpc_tok_s": 0.95}
+PHASES = ("pipeline", "http")
 
 
 # ---- the closed loop over gRPC -------------------------------------------------------------
@@ -83,46 +86,13 @@ def sweep(address: str, levels: list[int], prompts, params: GenerationParams, ar
     return {str(c): grpc_level(address, c, prompts, params, args) for c in levels}
 
 
-# ---- the model -----------------------------------------------------------------------------
-def prepare_model(args) -> tuple[Path, str]:
-    if args.model != "random-qwen3-8b":
-        return resolve_model(args.model), args.model
-    try:  # the writer: devtools/random_checkpoints.py (random bf16 Qwen3-8B shape)
-        from devtools.random_checkpoints import QWEN3_8B, write_random_qwen3
-    except ImportError as e:
-        raise SystemExit(f"random-qwen3-8b needs devtools/random_checkpoints.py: {e}") from None
-    layers = args.layers_override or QWEN3_8B["layers"]
-    hidden = args.hidden_override or QWEN3_8B["hidden"]
-    path = args.ckpt_dir or Path(f"/tmp/wedlm-random-qwen3-8b-L{layers}-H{hidden}")
-    write_random_qwen3(path, layers, hidden)
-    return path, f"random-qwen3-8b(layers={layers},hidden={hidden},bf16)"
-
-
-def device_name() -> str:
-    import mlx.core as mx
-
-    try:  # not every backend names its device
-        return f"{mx.default_device()} {mx.device_info().get('device_name', '')}".strip()
-    except Exception:
-        return str(mx.default_device())
-
-
 # ---- report --------------------------------------------------------------------------------
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def targets(result: dict, levels: list[int]) -> dict:
+def targets(result: dict) -> dict:
     t: dict = {"required": TARGETS}
-    tok_s = {c: v["tok_s"] for c, v in result.get("sweep", {}).items()}
-    if "1" in tok_s and "16" in tok_s:
-        t["c16_over_c1"] = ratio(tok_s["16"], tok_s["1"])
-    if "1" in tok_s and str(levels[-1]) in tok_s:  # for runs without C=16
-        t[f"c{levels[-1]}_over_c1"] = ratio(tok_s[str(levels[-1])], tok_s["1"])
-    if "ours_over_mlxlm" in result:
-        ratios = [v for v in result["ours_over_mlxlm"].values() if v is not None]
-        t["ar_over_mlxlm_min"] = min(ratios) if ratios else None
-        t["ar_over_mlxlm_note"] = f"ours in --mode {result['mode']} vs mlx-lm AR"
     if "pipeline" in result:
         t["pipeline_p_over_1"] = result["pipeline"]["ratio"]
     if "http_vs_grpc" in result:
@@ -132,49 +102,15 @@ def targets(result: dict, levels: list[int]) -> dict:
     return t
 
 
-def series(data: dict, key: str) -> list[float]:
-    return [np.nan if v[key] is None else v[key] for v in data.values()]
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    sides = (("ours", result.get("sweep"), "o-", "C0"),
-             ("mlx-lm BatchGenerator", result.get("mlxlm"), "s--", "C1"))  # fmt: skip
-    ticks: set[int] = set()
-    for label, data, style, color in sides:
-        if not data:
-            continue
-        cs = [int(c) for c in data]
-        ticks.update(cs)
-        a.plot(cs, series(data, "tok_s"), style, color=color, label=label)
-        for q, alpha in (("p50", 1.0), ("p99", 0.45)):
-            ys = series(data, f"ttft_ms_{q}")
-            b.plot(cs, ys, style, color=color, alpha=alpha, label=f"{label} {q}")
-    for ax, ylabel in ((a, "aggregate output tok/s"), (b, "TTFT (ms)")):
-        finish_axes(ax, "concurrent requests", ylabel, xs=sorted(ticks))
-    fig.suptitle(f"{result['model']}, {result['workers']} worker(s), {result['device']}, "
-                 f"max_tokens {result['max_tokens']}", fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def run_cluster_phases(result: dict, model: Path, args) -> None:
-    """The sweep at the default P, then (>= 2 workers) the largest level at 1 and at P
-    micro-batches in flight, restarting the coordinator between them (the workers stay)."""
+    """(>= 2 workers) the largest level at 1 and at P micro-batches in flight, restarting
+    the coordinator between them (the workers stay); then HTTP against gRPC."""
     levels, top = sorted(args.concurrency), max(args.concurrency)
     params = GenerationParams(mode=args.mode, max_tokens=args.max_tokens)
     cluster = Cluster(model, args.workers, top, gpus=args.gpus, local=args.local_layers)
     if "http" in args.phases:
         cluster.flags = ("--http-port", "0")
     try:
-        if "sweep" in args.phases:
-            result["sweep"] = sweep(cluster.start_coordinator(), levels, PROMPTS, params, args)
-            save_json(result, args.out, "serve.partial.json")
         if "pipeline" in args.phases and args.workers >= 2:
             result["pipeline"] = pipeline_rounds(cluster, top, params, args)
             save_json(result, args.out, "serve.partial.json")
@@ -211,30 +147,9 @@ def pipeline_rounds(cluster: Cluster, top: int, params: GenerationParams, args) 
     }
 
 
-def run_wedlm_phase(result: dict, args) -> None:
-    """WeDLM vs AR on a WeDLM checkpoint, one worker, the counting prompt."""
-    model = resolve_model(args.wedlm_model)
-    cluster = Cluster(model, 1, max(args.wedlm_concurrency))
-    try:
-        address = cluster.start_coordinator()
-        out: dict = {"model": str(model), "prompt": COUNTING[0], "threshold": args.wedlm_threshold}
-        for mode in ("wedlm", "ar"):
-            p = GenerationParams(
-                mode=mode, max_tokens=args.max_tokens, threshold=args.wedlm_threshold
-            )
-            out[mode] = sweep(address, args.wedlm_concurrency, COUNTING, p, args)
-        out["wedlm_over_ar_tok_s"] = {
-            c: ratio(w["tok_s"], out["ar"][c]["tok_s"]) for c, w in out["wedlm"].items()
-        }
-        result["wedlm_vs_ar"] = out
-    finally:
-        cluster.stop()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_random_model_flags(ap)
-    ap.add_argument("--address", help="HOST:PORT of a running coordinator (sweep only)")
     ap.add_argument(
         "--workers", type=int, default=1, help="0: the coordinator alone holds every layer"
     )
@@ -250,9 +165,6 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--mode", choices=("wedlm", "ar"), default="ar")
     ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
-    ap.add_argument("--wedlm-model", help="a WeDLM checkpoint: WeDLM vs AR on it")
-    ap.add_argument("--wedlm-concurrency", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--wedlm-threshold", type=float, default=0.6, help="WeDLM entropy threshold")
     ap.add_argument("--gpus", type=int, default=0, help=GPUS_HELP)
     ap.add_argument(
         "--pipeline-rounds",
@@ -270,11 +182,7 @@ def main() -> None:
         args.duration = 0.0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups on a kill
     t_start = now()
-    if args.address:
-        with WedlmClient(args.address) as client:
-            model, name = None, f"{client.model_info().model_name} at {args.address}"
-    else:
-        model, name = prepare_model(args)
+    model, name = prepare_model(args)
     import mlx.core as mx
 
     result: dict = {
@@ -284,28 +192,10 @@ def main() -> None:
         "per_level": f"{args.requests} requests" if args.requests else f"{args.duration} s",
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    levels = sorted(args.concurrency)
-    if args.address:
-        params = GenerationParams(mode=args.mode, max_tokens=args.max_tokens)
-        result["sweep"] = sweep(args.address, levels, PROMPTS, params, args)
-    else:
-        if "mlxlm" in args.phases:  # first: its process is gone before the cluster starts
-            result["mlxlm"] = sweep_in_subprocess(model, args)
-            save_json(result, args.out, "serve.partial.json")
-        if {"sweep", "pipeline", "http"} & set(args.phases):
-            run_cluster_phases(result, model, args)
-        if args.wedlm_model and "wedlm" in args.phases:
-            run_wedlm_phase(result, args)
-    if "mlxlm" in result and "sweep" in result:
-        ours = result["sweep"]
-        result["ours_over_mlxlm"] = {
-            c: ratio(ours[c]["tok_s"], m["tok_s"]) for c, m in result["mlxlm"].items() if c in ours
-        }
-    result["targets"] = targets(result, levels)
+    run_cluster_phases(result, model, args)
+    result["targets"] = targets(result)
     result["total_s"] = round(now() - t_start, 1)
-    plots = {"serve.png": plot} if "sweep" in result or "mlxlm" in result else {}
-    if "http_vs_grpc" in result:
-        plots["serve-http.png"] = plot_http
+    plots = {"serve-http.png": plot_http} if "http_vs_grpc" in result else {}
     finish(result, args.out, "serve", plots)
 
 

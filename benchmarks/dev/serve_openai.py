@@ -65,7 +65,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.dev import bench_io
-from benchmarks.dev.serve import device_name, prepare_model
+from benchmarks.dev.bench_io import device_name, prepare_model
 from benchmarks.dev.serve_http import OpenAIRequest, level
 from devtools.cluster_harness import Proc, free_port, spawn_command
 from wedlm_client.bench.load import client_pool

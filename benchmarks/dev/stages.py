@@ -4,29 +4,22 @@ and a warm start. Prints one JSON object and writes stages.json + stages.png to 
 the next one runs).
 
 Phases (--phases; they run in this order):
-  fresh   The coordinator alone (every layer in-process) started with empty kernel caches
-          (MLX_PTX_CACHE_DIR and CUDA_CACHE_PATH in a new folder, as on a fresh machine).
-          As soon as it says it serves (after its warm-up), --burst requests at once (AR and
-          WeDLM alternating, --burst-modes); when all have ended, the identical burst again,
-          same process. TTFT p50 first / second (target <= 2). With --compare-no-warm-up,
-          the same on a second fresh coordinator started with `--warm-up off`.
-  alone   That coordinator (started now if `fresh` did not run) vs mlx-lm's BatchGenerator
+  alone   The coordinator alone (every layer in-process) vs mlx-lm's BatchGenerator
           (benchmarks/dev/serve_mlxlm.py, a subprocess, after ours), AR, closed loop at each
           --concurrency, --rounds alternated: medians of tok/s, TTFT, TPOT; ours / mlx-lm
           per C (target >= 1.0 at every C).
-  single  Single stream: 3 stages (coordinator + 2 workers) vs 1 (the coordinator alone), AR
-          and WeDLM, --single-repeats requests of each, interleaved: client-side time per
-          output token (TPOT, medians), against single + 2 x (echo floor + 0.3 ms), with the
-          echo floor (benchmarks/dev/grpc_floor.py) measured here at a hop's payload.
   hops    Per relay hop, worker to worker, beyond grpcio's floor (benchmarks/dev/relay_hops.py
           says how): 16 KiB, 256 KiB and 4 MiB (targets 0.3 ms and 1 ms).
   gpus2   At --gpus2-concurrency, WeDLM and AR: the coordinator (first half of the layers,
           GPU 0) + 1 worker (second half, GPU 1 with --gpus 2) vs the coordinator alone on
           GPU 0, alternated over --rounds: aggregate tok/s ratio (target WeDLM >= 1.6).
 
-  python benchmarks/dev/stages.py --model random-qwen3-8b --phases fresh alone single --out OUT
+  python benchmarks/dev/stages.py --model random-qwen3-8b --phases alone --out OUT
   python benchmarks/dev/stages.py --model random-qwen3-8b --gpus 2 --phases hops gpus2 --out OUT
   python benchmarks/dev/stages.py --replot OUT/stages.json     # only redraw the plot
+
+The phases fresh (a fresh machine's bursts, ST3) and single (3 stages against 1, single
+stream), history only, left with issue 55: `git log -S phase_single` finds them.
 """
 
 from __future__ import annotations
@@ -38,33 +31,25 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import traceback
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.dev import grpc_floor, relay_hops
+from benchmarks.dev import relay_hops
 from benchmarks.dev.bench_cluster import Cluster
-from benchmarks.dev.bench_io import add_random_model_flags
-from benchmarks.dev.serve import grpc_level, hop_timings, prepare_model, ratio, sweep
+from benchmarks.dev.bench_io import add_random_model_flags, device_name, prepare_model
+from benchmarks.dev.serve import grpc_level, ratio, sweep
 from benchmarks.dev.serve_mlxlm import sweep_in_subprocess
-from benchmarks.dev.stages_report import TARGETS, plot, summary
+from benchmarks.dev.stages_report import plot, summary
 from common.generation_params import GenerationParams
-from common.model_config import load_model_config
-from wedlm_client.bench.clients import stream_request
-from wedlm_client.bench.records import PROMPTS, Rec, now
-from wedlm_client.client import WedlmClient
+from wedlm_client.bench.records import PROMPTS, now
 
-PHASES = ("fresh", "alone", "single", "hops", "gpus2")
+PHASES = ("alone", "hops", "gpus2")
 STARTUP_S = 90  # what a phase's processes take to start, for the time budget (a guess)
 
 
@@ -82,11 +67,10 @@ class Run:
 
     def __init__(self, args, model: Path) -> None:
         self.args, self.model = args, model
-        self.config = load_model_config(model)
         self.alone: Cluster | None = None
         self.alone_address = ""
         self.clusters: list[Cluster] = []
-        self.max_running = max([*args.concurrency, args.burst, args.gpus2_concurrency])
+        self.max_running = max([*args.concurrency, args.gpus2_concurrency])
 
     def cluster(self, workers: int, max_running: int, gpus: int) -> Cluster:
         log(f"starting {workers} worker(s)")
@@ -97,11 +81,11 @@ class Run:
         self.clusters.append(c)
         return c
 
-    def start_alone(self, env: dict[str, str] | None = None) -> str:
+    def start_alone(self) -> str:
         if self.alone is None:
             self.alone = self.cluster(0, self.max_running, self.args.gpus)
-        log("starting the coordinator alone" + (" (fresh kernel caches)" if env else ""))
-        self.alone_address = self.alone.start_coordinator(env=env)
+        log("starting the coordinator alone")
+        self.alone_address = self.alone.start_coordinator()
         log(f"coordinator alone serving at {self.alone_address}: {self.alone.startup}")
         return self.alone_address
 
@@ -111,115 +95,6 @@ class Run:
     def stop(self) -> None:
         for c in self.clusters:
             c.stop()
-
-
-# ---- fresh start ---------------------------------------------------------------------------
-def burst(address: str, n: int, modes: list[str], max_tokens: int, timeout: float) -> dict:
-    """n requests sent at once (a barrier), each read to its end."""
-    barrier = threading.Barrier(n)
-    recs: list[Rec | None] = [None] * n
-
-    def one(i: int) -> None:
-        params = GenerationParams(mode=modes[i % len(modes)], max_tokens=max_tokens)
-        with WedlmClient(address, timeout=timeout) as client:
-            barrier.wait()
-            rec = Rec(now())
-            stream_request(client, PROMPTS[i % len(PROMPTS)], params, rec)
-            rec.end = now()
-            recs[i] = rec
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 30)
-    done = [r for r in recs if r is not None]
-    t0 = min((r.submit for r in done), default=0.0)
-    # A request with no token counts as never (inf): a p50 exists only if half had one.
-    ttft = [r.events[0][0] - r.submit if r and r.events else float("inf") for r in recs]
-    ok = [r for r in done if r.error is None and r.final is not None]
-    e2e = [r.end - r.submit for r in ok]
-    out = {
-        "requests": n,
-        "completed": len(ok),
-        "modes": [modes[i % len(modes)] for i in range(n)],
-        "errors": dict(Counter(r.error for r in done if r.error)),
-        "ttft_ms_p50": _ms(statistics.median(ttft)),
-        "ttft_ms_p90": _ms(float(np.percentile(ttft, 90))),
-        "ttft_ms_max": _ms(max(ttft)),
-        "e2e_ms_p50": _ms(statistics.median(e2e)) if e2e else None,
-        "completed_within_10s": sum(1 for s in e2e if s <= 10.0),
-        "wall_s": round(max((r.end for r in done), default=t0) - t0, 3),
-        "ttft_ms": [_ms(v) for v in ttft],
-    }
-    pairs = list(zip(ttft, out["modes"], strict=True))
-    out["ttft_ms_p50_by_mode"] = {
-        m: _ms(statistics.median([v for v, k in pairs if k == m]))
-        for m in modes
-        if any(k == m for _, k in pairs)
-    }
-    return out
-
-
-def _ms(seconds: float) -> float | None:
-    return None if seconds == float("inf") else round(seconds * 1e3, 2)
-
-
-def server_has_flag(flag: str) -> bool:
-    out = subprocess.run(
-        [sys.executable, "-m", "coordinator.service.server_cli", "serve", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    return flag in out.stdout
-
-
-def fresh_caches() -> dict[str, str]:
-    base = Path(tempfile.mkdtemp(prefix="wedlm-fresh-"))
-    return {"MLX_PTX_CACHE_DIR": str(base / "ptx"), "CUDA_CACHE_PATH": str(base / "cuda")}
-
-
-def two_bursts(address: str, args) -> dict:
-    modes = args.burst_modes
-    first = burst(address, args.burst, modes, args.max_tokens, args.burst_timeout)
-    log(f"  first burst: TTFT p50 {first['ttft_ms_p50']} ms, {first['completed']} completed")
-    second = burst(address, args.burst, modes, args.max_tokens, args.burst_timeout)
-    log(f"  second burst: TTFT p50 {second['ttft_ms_p50']} ms, {second['completed']} completed")
-    by_mode = {
-        m: ratio(first["ttft_ms_p50_by_mode"][m], second["ttft_ms_p50_by_mode"][m])
-        for m in first["ttft_ms_p50_by_mode"]
-    }
-    return {
-        "first": first,
-        "second": second,
-        "ttft_ratio": ratio(first["ttft_ms_p50"], second["ttft_ms_p50"]),
-        "ttft_ratio_by_mode": by_mode,
-    }
-
-
-def phase_fresh(run: Run) -> dict:
-    args = run.args
-    env = fresh_caches()
-    address = run.start_alone(env=env)
-    out = {"caches": env, "startup": run.alone.startup, **two_bursts(address, args)}
-    out["meets_target"] = out["ttft_ratio"] is not None and out["ttft_ratio"] <= 2.0
-    if not server_has_flag("--warm-up"):
-        out["no_warm_up"] = "not compared: `wedlm-coordinator serve` has no --warm-up flag"
-    elif args.compare_no_warm_up:
-        other = run.cluster(0, run.max_running, args.gpus)
-        try:
-            log("starting a coordinator alone with --warm-up off (fresh kernel caches)")
-            env2 = fresh_caches()
-            address2 = other.start_coordinator(env=env2, flags=("--warm-up", "off"))
-            out["no_warm_up"] = {
-                "caches": env2,
-                "startup": other.startup,
-                **two_bursts(address2, args),
-            }
-        finally:
-            other.stop()
-    return out
 
 
 # ---- the coordinator alone vs mlx-lm ---------------------------------------------------------
@@ -260,92 +135,6 @@ def phase_alone(run: Run) -> dict:
         "rounds": {"ours": ours, "mlxlm": theirs},
         "note": "ratios of the medians over rounds; tpot ratio = mlx-lm TPOT / ours",
     }
-
-
-# ---- single stream: 3 stages vs 1 ------------------------------------------------------------
-def stream_once(client: WedlmClient, ids: list[int], params: GenerationParams) -> dict:
-    t0, events, final = now(), [], None
-    for event in client.generate_stream(ids=ids, params=params):
-        if event[0] == "tokens":
-            events.append((now(), len(event[1])))
-        else:
-            final = event[1]
-    n = sum(k for _, k in events)
-    tpot = (events[-1][0] - events[0][0]) / (n - 1) if n > 1 else None
-    return {
-        "tpot_ms": tpot * 1e3 if tpot else None,
-        "ttft_ms": (events[0][0] - t0) * 1e3 if events else None,
-        "step_ms": final["decode_s"] / max(final["forwards"], 1) * 1e3,
-        "tokens": final["tokens"],
-        "finish_reason": final["finish_reason"],
-    }
-
-
-def phase_single(run: Run) -> dict:
-    args = run.args
-    if run.alone_address:  # a fresh process: the sweeps' buffer cache is gone
-        run.alone.stop_coordinator()
-        run.alone_address = ""
-    one = run.alone_serving()
-    three = run.cluster(2, 4, args.gpus)
-    log(f"single: 3 stages: {three.layout()}")
-    address3 = three.start_coordinator()
-    hidden = run.config.hidden_size
-    sizes = {"ar": 2 * hidden, "wedlm": 16 * 2 * hidden, "wedlm_32_rows": 32 * 2 * hidden}
-    floor = grpc_floor.measure(sorted(set(sizes.values())), args.floor_repeats)
-    vocab = run.config.vocab_size
-    ids = np.random.default_rng(1).integers(min(100, vocab // 10), min(vocab, 5000), 32)
-    prompt = [int(t) for t in ids]
-    modes = {m: GenerationParams(mode=m, max_tokens=args.single_tokens) for m in ("ar", "wedlm")}
-    runs = {m: {"1": [], "3": []} for m in modes}
-    equal = dict.fromkeys(modes, True)
-    with WedlmClient(one) as c1, WedlmClient(address3) as c3:
-        for r in range(args.single_repeats + 1):  # round 0 is not counted
-            for m, params in modes.items():
-                a, b = stream_once(c1, prompt, params), stream_once(c3, prompt, params)
-                equal[m] &= a["tokens"] == b["tokens"]
-                if r:
-                    runs[m]["1"].append(a)
-                    runs[m]["3"].append(b)
-        out: dict = {
-            "layout_3": three.layout(),
-            "startup_3": three.startup,
-            "prompt_tokens": len(prompt),
-            "tokens": args.single_tokens,
-            "echo_floor_ms": {k: round(floor[str(v)], 4) for k, v in sizes.items()},
-            "hop_bytes": sizes,
-        }
-    allowance = TARGETS["single_hop_allowance_ms"]
-    for m in modes:
-        s, t = runs[m]["1"], runs[m]["3"]
-        single = med(x["tpot_ms"] for x in s)
-        bound = single + 2 * (out["echo_floor_ms"][m] + allowance) if single else None
-        three_ms = med(x["tpot_ms"] for x in t)
-        out[m] = {
-            "tpot_ms_1_stage": single,
-            "tpot_ms_3_stages": three_ms,
-            "step_ms_1_stage": med(x["step_ms"] for x in s),
-            "step_ms_3_stages": med(x["step_ms"] for x in t),
-            "bound_ms": round(bound, 3) if bound else None,
-            "meets_bound": bool(bound and three_ms and three_ms <= bound),
-            "ratio": ratio(three_ms, single),
-            "tpot_runs_ms": {
-                "1": [round(x["tpot_ms"] or 0, 3) for x in s],
-                "3": [round(x["tpot_ms"] or 0, 3) for x in t],
-            },
-            "finish_reasons": sorted({x["finish_reason"] for x in s + t}),
-            "tokens_equal": equal[m],
-        }
-        if m == "wedlm" and single:
-            out[m]["bound_ms_32_rows"] = round(
-                single + 2 * (out["echo_floor_ms"]["wedlm_32_rows"] + allowance), 3
-            )
-        log(
-            f"  single {m}: 1 stage {single} ms, 3 stages {three_ms} ms, bound {out[m]['bound_ms']}"
-        )
-    out["hops_3"] = hop_timings(address3)
-    three.stop()
-    return out
 
 
 # ---- per hop, worker to worker ---------------------------------------------------------------
@@ -407,9 +196,7 @@ def estimate_s(phase: str, args) -> float:
     return (
         STARTUP_S
         + {
-            "fresh": 2 * 20,
             "alone": args.rounds * 2 * len(args.concurrency) * level + 20 * args.rounds,
-            "single": 20 + 2 * (args.single_repeats + 1) * 2,
             "hops": 40,
             "gpus2": args.rounds * 4 * level,
         }[phase]
@@ -423,21 +210,13 @@ def save(result: dict, args, name: str) -> None:
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_random_model_flags(ap, "random-qwen3-8b")
-    ap.add_argument("--phases", nargs="+", choices=PHASES, default=["fresh", "alone", "single"])
+    ap.add_argument("--phases", nargs="+", choices=PHASES, default=["alone"])
     ap.add_argument("--gpus", type=int, default=0, help="GPUs: coordinator on 0, workers on 1..")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 32], help="alone")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per closed-loop level")
     ap.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds per level")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1, help="alone and gpus2: alternated rounds")
-    ap.add_argument("--burst", type=int, default=16, help="fresh: requests per burst")
-    ap.add_argument("--burst-modes", nargs="+", choices=("ar", "wedlm"), default=["ar", "wedlm"])
-    ap.add_argument("--burst-timeout", type=float, default=180.0)
-    ap.add_argument(
-        "--compare-no-warm-up",
-        action="store_true",
-        help="fresh: also two bursts on a fresh coordinator started with --warm-up off",
-    )
     ap.add_argument(
         "--warm-up",
         choices=("auto", "on", "off"),
@@ -448,9 +227,6 @@ def parse_args():
         default="",
         help="extra flags for every coordinator started, e.g. '--prefill-hold 0'",
     )
-    ap.add_argument("--single-tokens", type=int, default=64)
-    ap.add_argument("--single-repeats", type=int, default=5)
-    ap.add_argument("--floor-repeats", type=int, default=200)
     ap.add_argument("--hop-kib", type=float, nargs="+", default=[16, 256, 4096])
     ap.add_argument("--hop-repeats", type=int, default=150)
     ap.add_argument("--gpus2-concurrency", type=int, default=32)
@@ -475,10 +251,6 @@ def main() -> None:
     model, name = prepare_model(args)
     import mlx.core as mx
 
-    try:
-        device = f"{mx.default_device()} {mx.device_info().get('device_name', '')}".strip()
-    except Exception:
-        device = str(mx.default_device())
     commit = (
         subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
@@ -487,7 +259,7 @@ def main() -> None:
     )
     result: dict = {
         "model": name,
-        "device": device,
+        "device": device_name(),
         "mlx": mx.__version__,
         "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -11,11 +11,9 @@ from benchmarks.dev.bench_io import finish_axes
 
 TARGETS = {
     "alone_over_mlxlm_min": 1.0,
-    "fresh_ttft_ratio_max": 2.0,
     "hop_256KiB_beyond_ms": 0.3,
     "hop_4MiB_beyond_ms": 1.0,
     "gpus2_wedlm_ratio": 1.6,
-    "single_hop_allowance_ms": 0.3,
 }
 
 
@@ -26,22 +24,12 @@ def summary(result: dict) -> dict:
         c: v["tok_s"] for c, v in (get("alone", "ours_over_mlxlm") or {}).items()
     }
     s["alone_over_mlxlm_min"] = get("alone", "ours_over_mlxlm_min")
-    s["fresh_ttft_ms_first_second"] = [
-        get("fresh", "first", "ttft_ms_p50"),
-        get("fresh", "second", "ttft_ms_p50"),
-    ]
-    s["fresh_ttft_ratio"] = get("fresh", "ttft_ratio")
-    s["fresh_ttft_ratio_by_mode"] = get("fresh", "ttft_ratio_by_mode")
-    s["fresh_warm_up"] = get("fresh", "startup", "warm_up")
     for kib in ("256", "4096"):
         key = str(int(kib) * 1024)
         s[f"hop_{kib}KiB_beyond_half_echo_ms"] = get("hops", key, "beyond_half_echo_ms")
         s[f"hop_{kib}KiB_beyond_raw_hop_ms"] = get("hops", key, "beyond_raw_hop_ms")
     for mode in ("wedlm", "ar"):
         s[f"gpus2_{mode}_ratio"] = get("gpus2", mode, "ratio")
-        s[f"single_{mode}_tpot_ms_1_3_bound"] = [
-            get("single", mode, k) for k in ("tpot_ms_1_stage", "tpot_ms_3_stages", "bound_ms")
-        ]
     s["met"] = _met(s, result)
     s["errors"] = {p: v["error"] for p, v in result.items() if isinstance(v, dict) and "error" in v}
     return s
@@ -52,18 +40,12 @@ def _met(s: dict, result: dict) -> dict:
     t, met = TARGETS, {}
     if s["alone_over_mlxlm_min"] is not None:
         met["alone_over_mlxlm"] = s["alone_over_mlxlm_min"] >= t["alone_over_mlxlm_min"]
-    if _dig(result, ("fresh", "first")) is not None:
-        ratio = s["fresh_ttft_ratio"]  # None: the first burst's p50 was never reached
-        met["fresh_ttft"] = ratio is not None and ratio <= t["fresh_ttft_ratio_max"]
     for kib, target in (("256", t["hop_256KiB_beyond_ms"]), ("4096", t["hop_4MiB_beyond_ms"])):
         beyond = s[f"hop_{kib}KiB_beyond_half_echo_ms"]
         if beyond is not None:
             met[f"hop_{kib}KiB"] = beyond <= target
     if s["gpus2_wedlm_ratio"] is not None:
         met["gpus2_wedlm"] = s["gpus2_wedlm_ratio"] >= t["gpus2_wedlm_ratio"]
-    for mode in ("ar", "wedlm"):
-        if _dig(result, ("single", mode, "meets_bound")) is not None:
-            met[f"single_{mode}"] = result["single"][mode]["meets_bound"]
     return met
 
 
@@ -103,57 +85,6 @@ def _alone(ax, data: dict) -> None:
             )
     finish_axes(ax, "concurrent requests (AR)", "aggregate tok/s", xs=[int(c) for c in cs])
     ax.set_title("1: coordinator alone vs mlx-lm (target ≥ 1.0×)")
-
-
-def _fresh(ax, data: dict) -> None:
-    bursts = [(data, "first", "fresh"), (data, "second", "warm")]
-    if isinstance(data.get("no_warm_up"), dict):
-        nw = data["no_warm_up"]
-        bursts += [(nw, "first", "no warm-up, fresh"), (nw, "second", "no warm-up, warm")]
-    for i, (where, key, label) in enumerate(bursts):
-        b = where[key]
-        modes = [b["modes"][j % len(b["modes"])] for j in range(len(b["ttft_ms"]))]
-        for mode, style in (("ar", "o-"), ("wedlm", "s--")):
-            ys = sorted(
-                np.nan if v is None else v
-                for v, m in zip(b["ttft_ms"], modes, strict=True)
-                if m == mode
-            )
-            if ys:
-                ax.plot(range(1, len(ys) + 1), ys, style, color=f"C{i}", ms=3,
-                        label=f"{key} burst ({label}), {mode}")  # fmt: skip
-    ax.set_yscale("log")
-    ax.set(
-        xlabel="request of the mode (sorted by TTFT)",
-        ylabel="TTFT (ms)",
-        title=f"2: fresh start, TTFT p50 first/second {data.get('ttft_ratio')} (target ≤ 2)",
-    )
-    ax.legend(fontsize=7)
-
-
-def _single(ax, data: dict) -> None:
-    modes = [m for m in ("ar", "wedlm") if m in data]
-    x = np.arange(len(modes))
-    one = [data[m]["tpot_ms_1_stage"] or np.nan for m in modes]
-    three = [data[m]["tpot_ms_3_stages"] or np.nan for m in modes]
-    ax.bar(x - 0.2, one, 0.4, label="1 stage (coordinator alone)")
-    ax.bar(x + 0.2, three, 0.4, label="3 stages (coordinator + 2 workers)")
-    for i, m in enumerate(modes):
-        if data[m]["bound_ms"]:
-            ax.hlines(
-                data[m]["bound_ms"],
-                i - 0.4,
-                i + 0.4,
-                colors="red",
-                linestyles="--",
-                label="bound: single + 2 × (echo + 0.3 ms)" if i == 0 else None,
-            )
-    for i, m in enumerate(modes):
-        ax.annotate(f"{data[m]['ratio']}×", (i + 0.2, three[i]), ha="center", fontsize=8,
-                    textcoords="offset points", xytext=(0, 3))  # fmt: skip
-    ax.set_xticks(x, modes)
-    ax.set(ylabel="time per output token, p50 (ms)", title="5: single stream, 3 stages vs 1")
-    ax.legend(fontsize=8)
 
 
 def _hops(ax, data: dict) -> None:
@@ -209,10 +140,8 @@ def plot(result: dict, path: Path) -> None:
         (p, f)
         for p, f in (
             ("alone", _alone),
-            ("fresh", _fresh),
             ("hops", _hops),
             ("gpus2", _gpus2),
-            ("single", _single),
         )
         if _ok(result, p)
     ]
