@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from wedlm_client.bench.report import figure, finish_axes, save_figure
+from wedlm_client.bench.report import finish_axes
 
-__all__ = ["figure", "finish_axes", "save_figure"]
+__all__ = ["finish_axes"]  # the tool's axis styling, for these scripts' plots
 now = time.perf_counter
 
 

@@ -3,7 +3,9 @@ in phases that run on their own (a GPU call is limited to 10 minutes):
 
   make-model  a random bf16 checkpoint of Qwen3-8B or -32B shape (devtools/
               random_checkpoints.py; --layers-override for a shorter one): its time and size,
-              and the time the whole model would take at that rate
+              and the time the whole model would take at that rate (drawing the weights
+              costs on a CPU, ~0.025 GB/s on 2 shared cores; on a GPU the disk's ~0.4 GB/s
+              sets it: ~40 s for 8B, 16.4 GB, ~165 s for 32B, 66 GB)
   mlxlm       mlx-lm alone on GPU 0 against mlx-lm's TP = 2 (`sharded_load`, i.e.
               `Model.shard`) under `mlx.launch --backend nccl` (ring on a CPU): single-stream
               decode tok/s, C-stream aggregate decode tok/s (BatchGenerator), prefill of P
