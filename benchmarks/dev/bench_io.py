@@ -29,6 +29,23 @@ def run_info(**fields: Any) -> dict[str, Any]:
             "date": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
 
 
+def log(text: str, tag: str = "") -> None:
+    """A progress line on stderr, stamped with the time (and `tag`, where given)."""
+    print(f"[{tag + ' ' if tag else ''}{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr,
+          flush=True)  # fmt: skip
+
+
+def med(values, digits: int = 4) -> float | None:
+    """The median of the values that are not None, rounded; None when there are none."""
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), digits) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b to 3 places; None when either is missing or zero."""
+    return round(a / b, 3) if a and b else None
+
+
 def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
     """Median wall time of fn() in ms, after `warmup` unmeasured calls."""
     for _ in range(warmup):

@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.dev.bench_io import log, med
+
 SHAPE = {  # DiffusionGemma-26B-A4B's text model
     "model_type": "diffusion_gemma_text",
     "vocab_size": 262144,
@@ -57,15 +59,6 @@ SHAPE = {  # DiffusionGemma-26B-A4B's text model
 }
 CANVAS = 256
 PROMPT = [(97 * i + 13) % 3000 + 1000 for i in range(64)]
-
-
-def log(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-def med(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values), 4) if values else None
 
 
 # ---- the checkpoint ------------------------------------------------------------------------

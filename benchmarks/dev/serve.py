@@ -35,6 +35,7 @@ from benchmarks.dev.bench_io import (
     device_name,
     finish,
     prepare_model,
+    ratio,
     save_json,
 )
 from benchmarks.dev.serve_http import http_url_of, http_vs_grpc, plot_http
@@ -87,10 +88,6 @@ def sweep(address: str, levels: list[int], prompts, params: GenerationParams, ar
 
 
 # ---- report --------------------------------------------------------------------------------
-def ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
 def targets(result: dict) -> dict:
     t: dict = {"required": TARGETS}
     if "pipeline" in result:

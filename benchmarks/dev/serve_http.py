@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 
+from benchmarks.dev.bench_io import ratio
 from wedlm_client.bench.clients import OpenAIRequest, openai_thread
 from wedlm_client.bench.load import client_pool
 from wedlm_client.bench.load import level as load_level
@@ -57,10 +58,10 @@ def http_vs_grpc(address: str, http_url: str, model: str, levels: list[int], par
                     runs[kind] = level(
                         pool, args.client_processes, kind, target, model, c, params, args
                     )
-                runs["http_over_grpc_tok_s"] = _ratio(
+                runs["http_over_grpc_tok_s"] = ratio(
                     runs["http"]["tok_s_finished"], runs["grpc"]["tok_s_finished"]
                 )
-                runs["http_over_grpc_ttft_p50"] = _ratio(
+                runs["http_over_grpc_ttft_p50"] = ratio(
                     runs["http"]["ttft_ms_p50"], runs["grpc"]["ttft_ms_p50"]
                 )
                 rounds.append(runs)
@@ -77,10 +78,6 @@ def http_url_of(log: list[str]) -> str:
         if m := re.search(r"HTTP API on (http://\S+/v1)", line):
             return m.group(1)
     raise RuntimeError("the coordinator did not report an HTTP API")
-
-
-def _ratio(a, b):
-    return round(a / b, 3) if a and b else None
 
 
 def _median(values):

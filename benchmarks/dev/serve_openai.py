@@ -65,7 +65,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.dev import bench_io
-from benchmarks.dev.bench_io import device_name, prepare_model
+from benchmarks.dev.bench_io import device_name, prepare_model, ratio
 from benchmarks.dev.serve_http import OpenAIRequest, level
 from devtools.cluster_harness import Proc, free_port, spawn_command
 from wedlm_client.bench.load import client_pool
@@ -238,10 +238,6 @@ def run_all(servers: dict[str, Server], skipped: dict[str, str], args, result: d
                 levels[str(c)].update(medians(rounds, names))
 
 
-def _ratio(a, b) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
 def medians(rounds: list[dict], names: list[str]) -> dict:
     """Per server: medians over rounds (failed: the sum); then ours / the best competitor."""
     out: dict = {"median": server_medians(rounds, names)}
@@ -250,8 +246,8 @@ def medians(rounds: list[dict], names: list[str]) -> dict:
     if rivals and "ours" in med:
         best = max(rivals, key=lambda n: med[n]["tok_s"])
         out["best_competitor"] = best
-        out["ours_over_best_tok_s"] = _ratio(med["ours"]["tok_s"], med[best]["tok_s"])
-        out["ours_over_best_ttft_p50"] = _ratio(med["ours"]["ttft_ms_p50"],
+        out["ours_over_best_tok_s"] = ratio(med["ours"]["tok_s"], med[best]["tok_s"])
+        out["ours_over_best_ttft_p50"] = ratio(med["ours"]["ttft_ms_p50"],
                                                 med[best]["ttft_ms_p50"])  # fmt: skip
     return out
 

@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:
 
 import mlx.core as mx
 
-from benchmarks.dev.bench_io import pyplot
+from benchmarks.dev.bench_io import log, med, pyplot
 from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
 from coordinator.engine.step_timing import measure_step_cost
@@ -95,15 +95,6 @@ EDITING = [
     f"Copy this text exactly:\n\n{PASSAGE}",
     f"Add a docstring to this function and show the whole function:\n\n{CODE}",
 ]
-
-
-def log(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-def med(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(statistics.median(values), 4) if values else None
 
 
 def summarize(

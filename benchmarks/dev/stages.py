@@ -28,7 +28,6 @@ import argparse
 import json
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -40,10 +39,10 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.dev import relay_hops
+from benchmarks.dev import bench_io, relay_hops
 from benchmarks.dev.bench_cluster import Cluster
-from benchmarks.dev.bench_io import add_random_model_flags, device_name, prepare_model
-from benchmarks.dev.serve import grpc_level, ratio, sweep
+from benchmarks.dev.bench_io import add_random_model_flags, device_name, prepare_model, ratio
+from benchmarks.dev.serve import grpc_level, sweep
 from benchmarks.dev.serve_mlxlm import sweep_in_subprocess
 from benchmarks.dev.stages_report import plot, summary
 from common.generation_params import GenerationParams
@@ -54,12 +53,11 @@ STARTUP_S = 90  # what a phase's processes take to start, for the time budget (a
 
 
 def log(text: str) -> None:
-    print(f"[stages {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+    bench_io.log(text, "stages")
 
 
 def med(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(float(statistics.median(values)), 3) if values else None
+    return bench_io.med(values, 3)
 
 
 class Run:

@@ -47,7 +47,7 @@ if str(ROOT) not in sys.path:  # run as a script: the project root holds benchma
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.dev import bench_io
-from benchmarks.dev.bench_io import now
+from benchmarks.dev.bench_io import now, ratio
 from benchmarks.dev.tp_shapes import SHAPES, VOCAB, layer_params
 
 PHASES = ("make-model", "mlxlm", "profile", "servers")
@@ -108,10 +108,6 @@ def check_shardable(path: Path, tp: int) -> None:
 
 
 # ---- phases mlxlm and profile --------------------------------------------------------------
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
 def mlxlm(args, path: Path) -> dict[str, Any]:
     from benchmarks.dev.tp_launch import run_task
 
@@ -127,7 +123,7 @@ def mlxlm(args, path: Path) -> dict[str, Any]:
         print(f"mlxlm {label}: {json.dumps(runs[label])}", file=sys.stderr, flush=True)
     one, tp = runs["one"], runs[f"tp{args.tp}"]
     side = {what: {"one_tok_s": one[what]["tok_s"], "tp_tok_s": tp[what]["tok_s"],
-                   "tp_over_one": _ratio(tp[what]["tok_s"], one[what]["tok_s"])}
+                   "tp_over_one": ratio(tp[what]["tok_s"], one[what]["tok_s"])}
             for what in args.what}  # fmt: skip
     return {"backend": args.backend, "tp": args.tp, "runs": runs, "side_by_side": side}
 
@@ -147,8 +143,8 @@ def profile(args, path: Path) -> dict[str, Any]:
         "tp_compute_alone_ms": alone["step_ms"],  # no collective at all
         "tp_collectives_in_step_ms": round(real["step_ms"] - alone["step_ms"], 3),
         "all_sums_alone_chain_ms": tp["all_sum_alone"]["ms_per_step_in_chain"],
-        "compute_speedup_one_over_tp_alone": _ratio(w["step_ms"], alone["step_ms"]),
-        "step_speedup_one_over_tp": _ratio(w["step_ms"], real["step_ms"]),
+        "compute_speedup_one_over_tp_alone": ratio(w["step_ms"], alone["step_ms"]),
+        "step_speedup_one_over_tp": ratio(w["step_ms"], real["step_ms"]),
         "head_and_argmax_ms_one": round(w["step_ms"] - w["layers_only_ms"], 3),
     }
     return {"backend": args.backend, "tp": args.tp, "one": one, "tpN": tp, "split": split,
