@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from common.proto_gen import wedlm_pb2 as pb
 from coordinator.console.console_state import ConsoleState, human_error
-from coordinator.http_api.openai_app import _Reply
+from coordinator.http_api.openai_reply import ChoiceReply
 from coordinator.service.metrics import Metrics
 
 GIB = 2**30
@@ -79,7 +79,7 @@ def test_members_layers_and_a_lost_worker():
 
 def test_commit_chunks_carry_the_forward_count():
     for chat in (True, False):
-        chunk = _Reply(chat, "m").commit_chunk("a b", 1, 3)
+        chunk = ChoiceReply(chat, "m").commit_chunk("a b", 1, 3)
         assert chunk.startswith("data: ") and chunk.endswith("\n\n")
         body = json.loads(chunk.removeprefix("data: "))
         assert body["wedlm"] == {"forwards": 1, "tokens": 3}
