@@ -82,10 +82,11 @@ def mlx_lm_model(parts: ModelParts) -> nn.Module:
     """An mlx-lm model sharing the parts' modules, so both sides run identical weights."""
     arch = importlib.import_module(f"mlx_lm.models.{parts.config.family}")
     full = arch.Model(arch.ModelArgs.from_dict(parts.config.mlx_args()))
+    ends = parts.ends.model  # mlx-lm's own model holding the ends' weights (layers relayed)
     full.model.layers = parts.layers
-    full.model.embed_tokens, full.model.norm = parts.embed_tokens, parts.norm
+    full.model.embed_tokens, full.model.norm = ends.model.embed_tokens, ends.model.norm
     if not parts.config.tie_word_embeddings:
-        full.lm_head = parts.lm_head
+        full.lm_head = ends.lm_head
     return full
 
 
