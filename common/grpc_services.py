@@ -24,7 +24,8 @@ CHANNEL_OPTIONS = [
 ]
 # Servers that such channels dial accept those pings, also between calls. gRPC core ignores
 # an option name it does not know: a misspelt one left its default (one ping per 5 minutes
-# without data) and idle links ended in GOAWAY "too_many_pings" (tests/test_grpc_options.py).
+# without data) and idle links ended in GOAWAY "too_many_pings"
+# (tests/repo/test_grpc_options.py).
 SERVER_PING_POLICY = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),

@@ -1,8 +1,8 @@
 """Random checkpoints of real models' shapes, the one writer the scripts in benchmarks/dev/
-use (the tests' tiny parity checkpoints are tests/checkpoints.py's): any mlx-lm family, in the
-layout mlx-lm's `convert` writes (its parameter names, config.json with `quantization`,
-sharded safetensors and their index), and a word-level tokenizer with one token per model
-id, so every id a random model emits decodes.
+use (the tests' tiny parity checkpoints are tests/support/checkpoints.py's): any mlx-lm
+family, in the layout mlx-lm's `convert` writes (its parameter names, config.json with
+`quantization`, sharded safetensors and their index), and a word-level tokenizer with one
+token per model id, so every id a random model emits decodes.
 
 The model is built from mlx-lm's own Model and ModelArgs (nothing re-implemented); its
 parameters are replaced lazily by bf16 noise (norm weights 1, biases 0) and, with `--bits`,

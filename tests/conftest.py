@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
     """make(family, seed=0, **overrides) -> a cached tiny checkpoint folder."""
-    from tests.checkpoints import make_checkpoint
+    from tests.support.checkpoints import make_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt")
     made: dict[tuple, Path] = {}
