@@ -127,6 +127,33 @@ def add_bench_parser(sub) -> None:
     links.add_argument("--max-tokens", type=_positive(int), default=32)
     _common(links, "links")
 
+    agent = cmds.add_parser(
+        "agent",
+        help="an agent session replayed turn by turn: TTFT, cached tokens, decode tok/s",
+        description="A synthetic, seeded agent session (a system prompt and tools, then "
+        "turns of a user message, a tool call and a tool result) sent turn by turn, each "
+        "turn the whole conversation so far, streamed. A repeated run with the same --seed "
+        "finds its first turn cached; a new seed starts cold.",
+    )
+    agent.add_argument("--url", required=True, metavar="URL",
+                       help="http(s)://HOST:PORT[/v1] of an OpenAI-compatible or Anthropic "
+                       "API")  # fmt: skip
+    agent.add_argument("--api", choices=("openai", "anthropic"), default="openai",
+                       help="chat completions with tools, or Anthropic Messages")  # fmt: skip
+    agent.add_argument("--model", help="the model name (default: the first the server lists)")
+    agent.add_argument("--api-key", help="default: $OPENAI_API_KEY or $ANTHROPIC_API_KEY")
+    agent.add_argument("--system-tokens", type=_positive(int), default=20000,
+                       help="the system prompt and tool definitions, in tokens")  # fmt: skip
+    agent.add_argument("--turns", type=_positive(int), default=20)
+    agent.add_argument("--tool-result-tokens", type=_positive(int), nargs=2,
+                       default=[1000, 3000], metavar=("MIN", "MAX"),
+                       help="each tool result's length, seeded")  # fmt: skip
+    agent.add_argument("--budget-tokens", type=_positive(int), default=64000,
+                       help="no turn takes the session past this many tokens")  # fmt: skip
+    agent.add_argument("--max-tokens", type=_positive(int), default=32, help="per turn")
+    agent.add_argument("--seed", type=int, default=0, help="the session's text")
+    _common(agent, "agent")
+
     fetch = cmds.add_parser("fetch", help="layer-fetch rate from a coordinator against a raw "
                             "copy (needs the server install)")  # fmt: skip
     _cluster(fetch)
