@@ -122,6 +122,8 @@ def replay(client, args, model: str, session: Session, result: dict) -> str | No
     for k in range(1, len(session.turns) + 1):
         try:
             timing = send(client, model, session, k, args.max_tokens)
+        except KeyboardInterrupt:  # Ctrl-C: the turns so far are still reported
+            return f"turn {k}: interrupted"
         except Exception as e:
             return f"turn {k}: {args.url} {failure(e)}"
         result["turns"].append(r := row(k, timing, previous))
