@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from common.errors import InvalidRequest
-from common.modes import MODES, Mode
+from common.modes import MODES, Mode, is_mode
 
 # MODES (the modes as plain strings) and Mode are common/modes.py's, imported from here too
 # Diffusion mode's samplers: mlx-vlm's reference sampler exactly ("faithful"), or the
@@ -64,7 +64,7 @@ class GenerationParams:
         def bad(message: str) -> InvalidRequest:
             return InvalidRequest(message)
 
-        if self.mode not in MODES:
+        if not is_mode(self.mode):
             raise bad(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.draft not in DRAFT_SOURCES:
             raise bad(f"draft must be one of {', '.join(DRAFT_SOURCES)}, got {self.draft!r}")

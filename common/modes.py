@@ -27,3 +27,20 @@ class Mode(StrEnum):
 MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 DIFFUSION_MODES: tuple[str, ...] = (Mode.AUTO.value, Mode.DIFFUSION.value)  # a diffusion model's
 CAUSAL_MODES: tuple[str, ...] = tuple(m for m in MODES if m != Mode.DIFFUSION)  # a causal one's
+
+# Names of modes registered beyond the members above (coordinator/engine/modes/registry.py:
+# a mode module of its own, e.g. a test's); requests may name them as they name a member.
+_REGISTERED: set[str] = set()
+
+
+def register_name(name: str) -> None:
+    if name not in MODES:
+        _REGISTERED.add(name)
+
+
+def forget_name(name: str) -> None:
+    _REGISTERED.discard(name)
+
+
+def is_mode(name: object) -> bool:
+    return name in MODES or name in _REGISTERED

@@ -34,8 +34,8 @@ from common.model_parts import ModelParts, load_model_parts, run_layers
 from common.window_mask import window_visibility
 from coordinator.engine.engine import Engine
 from coordinator.engine.local_engine import resolve_model
+from coordinator.engine.modes import plan_next
 from coordinator.engine.pipeline import LocalPipeline
-from coordinator.engine.row_plan import plan_next
 from coordinator.engine.sequence import Phase
 from coordinator.engine.tick_batch import build_batch
 
@@ -220,7 +220,7 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
     prof = {"run": 0.0, "graph": 0.0, "graph_in_run": 0.0, "in_run": False}
     run, fwd = engine._complete, engine.pipeline.submit
     if bare:  # a bare forward between steps cannot overlap a forward launched ahead
-        engine._launch_ahead = lambda flight, tokens: False
+        engine._launch_ahead = lambda *args: False
 
     def timed(key, fn):
         def wrapper(*a):
@@ -246,7 +246,7 @@ def engine_decode(engine: Engine, prompt: list[int], mode: str, n: int, bare: bo
     try:
         while not seq.finished:
             decoding, before = seq.phase is Phase.DECODE, seq.forwards
-            plan = plan_next(seq, engine.config.mask_token_id, engine.prefill_chunk)
+            plan = plan_next(seq, engine._plan_context(1))
             batch = build_batch([plan])  # the window the step runs (padded to a width step)
             if bare and decoding:
                 win = batch.spec.windows()

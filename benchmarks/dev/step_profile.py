@@ -52,6 +52,8 @@ import numpy as np
 import common.kv_rows as kv_rows
 import common.window_mask as window_mask
 import coordinator.engine.engine as engine_module
+import coordinator.engine.head_choice as head_choice
+import coordinator.engine.modes.wedlm as wedlm_mode
 import coordinator.engine.selection as selection
 from benchmarks.dev.bench_io import build_then_wait, finish, pyplot, run_info
 from benchmarks.dev.engine import swapped, wedlm_filled, window_forward
@@ -59,6 +61,7 @@ from benchmarks.dev.speculative import COUNTING
 from common.generation_params import GenerationParams
 from common.kv_rows import KVRows
 from common.model_parts import ModelParts, load_model_parts
+from common.modes import Mode
 from common.window_mask import window_visibility
 from coordinator.engine.local_engine import open_local_engine
 
@@ -136,8 +139,8 @@ def eager_extras(on: bool):
     """The engine's compiled step graphs (selection, the look-ahead's visibility, the
     attention mask) swapped for their eager originals while `on`: an A/B in one process."""
     swaps = [
-        (engine_module, "window_fills", selection.eager_window_fills),
-        (engine_module, "compiled_device_visibility", window_mask.device_visibility),
+        (head_choice, "window_fills", selection.eager_window_fills),
+        (wedlm_mode, "compiled_device_visibility", window_mask.device_visibility),
         (kv_rows, "compiled_attention_mask", window_mask.attention_mask),
     ]
     saved = [getattr(module, name) for module, name, _ in swaps]
@@ -175,7 +178,7 @@ def run_mode(
 ) -> dict:
     engine = local.engine
     if serial:
-        engine._launch_wedlm_ahead = lambda *args: False
+        engine.ahead.off.add(Mode.WEDLM)
     steps: list[float] = []
     by_width: dict[str, list[float]] = defaultdict(list)
     tokens = forwards = 0
@@ -201,7 +204,7 @@ def run_mode(
         tokens += sum(len(s.output) for s in seqs)
         forwards += sum(s.forwards for s in seqs)
     if serial:
-        del engine._launch_wedlm_ahead
+        engine.ahead.off.discard(Mode.WEDLM)
     n = len(steps)
     if not n:
         return {"steps": 0, "step_ms_median": float("inf"), "decode_tok_s": 0.0}

@@ -24,41 +24,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from common.errors import WedlmError
 from common.generation_params import MAX_FORWARD_ROWS
+from coordinator.engine.draft_policy import batch_rooms
 from coordinator.engine.forward_shapes import ShapeLimits, padded_width, row_bucket
 from coordinator.engine.limits import Limits
+from coordinator.engine.modes import PlanContext, apply_result, plan_next
 from coordinator.engine.prefix_cache import PrefixCache
 from coordinator.engine.prompt_sharing import forked, leaders_in_use, start_shared, waits
-from coordinator.engine.row_plan import RowPlan, apply_result, batch_rooms, plan_next
+from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sequence import Phase, Sequence
 from coordinator.engine.step_cost import StepCost
+from coordinator.engine.tick_types import PREFILL, Commit, QueueFull, Unit
 
 __all__ = ["PREFILL", "Commit", "Limits", "QueueFull", "Scheduler", "Unit"]
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """The unit of prefill micro-batches (prompt chunks of any sequences); decode groups
-    are the units 0..P-1."""
-
-    def __repr__(self) -> str:
-        return "PREFILL"
-
-
-PREFILL = Prefill()
-Unit = Prefill | int  # what a micro-batch belongs to: the prefill turn or a decode group
-
-
-class QueueFull(WedlmError):
-    """The waiting queue is at its limit (requests or prompt tokens)."""
-
-
-@dataclass
-class Commit:
-    seq: Sequence
-    tokens: list[int]  # newly committed (may be empty when only finishing)
-    logprobs: list | None = None  # TokenLogprob per token, when the request asks
 
 
 @dataclass
@@ -82,6 +60,14 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.groups = [[] for _ in range(self.groups_count)]
+
+    def change_limits(self, **changes) -> None:
+        """The service's one way to change limits (a measured KV budget, the rows run at
+        once that follow it): the scheduler owns them."""
+        for name, value in changes.items():
+            if not hasattr(self.limits, name):
+                raise AttributeError(f"Limits has no field {name!r}")
+            setattr(self.limits, name, value)
 
     # ---- what the engine and the service read ---------------------------------------
     def has_work(self) -> bool:
@@ -256,9 +242,8 @@ class Scheduler:
         limits = self.limits
         rows = -(-len(self.running) // max(self.groups_count, 1))  # a decode group's size
         break_even = self.step_cost.break_even(rows)
-        return plan_next(
-            seq, self.mask_token_id, limits.prefill_chunk, self.max_positions, break_even, room
-        )
+        ctx = PlanContext(self.mask_token_id, self.max_positions, limits.prefill_chunk, break_even)
+        return plan_next(seq, ctx, room)
 
     def apply(self, plan: RowPlan, row: int, fills, tokens, rows: int = 1) -> list[int]:
         """Apply row `row` of a forward of `rows` sequences to its sequence; the new tokens."""

@@ -15,7 +15,9 @@ import llguidance
 import pytest
 
 from common.generation_params import GenerationParams
+from common.modes import Mode
 from coordinator.engine.local_engine import open_local_engine
+from coordinator.engine.modes import mode_of
 from coordinator.http_api.response_format import JSON_OPTIONS
 from tests.conftest import shared_model
 from tests.support.checkpoints import TOOL_CHAT_TEMPLATE
@@ -187,12 +189,12 @@ def test_apply_masks_expands_each_slots_bits():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_constrained_wedlm_ahead_equals_serial(local, monkeypatch, temperature):
-    """Constrained WeDLM rows are launched ahead (engine._launch_wedlm_ahead); where the
+    """Constrained WeDLM rows are launched ahead (modes/wedlm.py launch_ahead); where the
     grammar then cuts a run that forward was built from, it is dropped and launched again
-    (engine._drop_ahead). Tokens and forwards equal those of never launching them ahead."""
+    (look_ahead.drop). Tokens and forwards equal those of never launching them ahead."""
     engine = local.engine
-    launched = _spy(monkeypatch, engine, "_launch_wedlm_ahead")
-    dropped = _spy(monkeypatch, engine, "_drop_ahead")
+    launched = _spy(monkeypatch, mode_of(Mode.WEDLM), "launch_ahead")
+    dropped = _spy(monkeypatch, engine.ahead, "drop")
     prompts = _prompts(local, 6, f"wedlm-ahead-{temperature}")
     kw = {"mode": "wedlm", "grammar": GRAMMAR, "max_tokens": 80, "seed": 9}
     with _switched(engine, "constrained_ahead", True):
@@ -209,11 +211,11 @@ def test_constrained_wedlm_ahead_equals_serial(local, monkeypatch, temperature):
 def test_constrained_wedlm_ahead_keeps_parallel_commits(trained, monkeypatch):
     """On the WeDLM-trained checkpoint counting under a grammar of counting, the look-ahead
     runs and the output and forwards are those without it."""
-    launched = _spy(monkeypatch, trained.engine, "_launch_wedlm_ahead")
+    launched = _spy(monkeypatch, mode_of(Mode.WEDLM), "launch_ahead")
     grammar = llguidance.LLMatcher.grammar_from_regex(r" (\d+, )+\d+")
     with _switched(trained.engine, "constrained_ahead", True):
         (ahead,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
-    assert sum(launched) > 1
+    assert sum(forward is not None for forward in launched) > 1
     with _switched(trained.engine, "constrained_ahead", False):
         (serial,) = _run(trained, [_counting(trained)], grammar=grammar, **COUNTING)
     assert (ahead.output, ahead.forwards) == (serial.output, serial.forwards)

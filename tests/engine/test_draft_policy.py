@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from common.generation_params import GenerationParams
-from coordinator.engine.ar_ahead import next_plans
 from coordinator.engine.draft_policy import (
     adapt_draft_limit,
     batch_rooms,
@@ -17,12 +16,13 @@ from coordinator.engine.draft_policy import (
     settle_shadow,
 )
 from coordinator.engine.draft_state import PROBE_EVERY, PROBE_MAX
-from coordinator.engine.row_plan import (
-    RowPlan,
+from coordinator.engine.modes.ar import next_plans
+from coordinator.engine.modes.speculative import (
     plan_speculative,
     probe_ends,
     unchanged_by_postprocess,
 )
+from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sequence import Phase, Sequence
 from coordinator.engine.step_cost import AR, DRAFT, ONLINE_MIN, StepCost
 
@@ -182,7 +182,7 @@ def test_a_mask_probe_with_nothing_confident_backs_off_at_once():
 
 
 def test_a_mask_probe_rides_the_look_ahead():
-    """ar_ahead.next_plans: the forward after a one-row forward is planned before it is
+    """modes/ar.py's next_plans: the forward after a one-row forward is planned before it is
     read back. When it is due, a mask probe is: the token of t (a placeholder, fed from
     the device), then mask slots; the forward after the probe is one row again, with no
     second probe. Lookup drafts need t's token on the host: no plan ahead."""
@@ -359,7 +359,8 @@ def test_probes_of_a_batch_wait_for_its_probe_slot_and_run_together():
 def test_a_held_row_keeps_its_state():
     """apply_result of a row its batch held back (one row, no drafts) leaves its limit and
     gain as they were; the same forward without a hold would have halved its limit."""
-    from coordinator.engine.row_plan import apply_result, plan_speculative
+    from coordinator.engine.modes import apply_result
+    from coordinator.engine.modes.speculative import plan_speculative
     from coordinator.engine.sequence import Phase
 
     for room, limit in ((0, 4), (None, 2)):
@@ -453,8 +454,8 @@ def test_a_real_mask_probe_rides_the_look_ahead(wedlm8):
     ahead: list[int] = []  # widths of the look-ahead forwards, in order
     launch = engine._launch_ahead
 
-    def spy(flight, tokens):
-        launched = launch(flight, tokens)
+    def spy(*args):
+        launched = launch(*args)
         if launched:
             ahead.append(max(p.width for p in engine.in_flight[-1].plans))
         return launched
@@ -476,7 +477,7 @@ def test_a_real_mask_probe_rides_the_look_ahead(wedlm8):
 
 
 def test_a_held_row_the_batch_lets_draft_again_waits_for_the_regular_launch():
-    """ar_ahead.next_plans: a row held back at t whose batch would now let it draft (its
+    """modes/ar.py's next_plans: a row held back at t whose batch would now let it draft (its
     gain pays) is not planned ahead as one row again (it would be held for good): the
     regular launch plans its drafts."""
     seq = drafting(4.0)
@@ -505,7 +506,7 @@ def test_a_drafting_forward_launched_after_the_read_back_is_priced_from_it(wedlm
     timing: list[bool] = [False]  # whether the forward being timed is one of them
     seen: list[tuple[str, bool, float]] = []
     observe, launch, time_forward = (
-        engine.step_cost.observe, engine._launch, engine._time_forward
+        engine.step_cost.observe, engine._launch, engine.clock.observe
     )  # fmt: skip
 
     def spy(kind, rows, seconds):
@@ -517,17 +518,17 @@ def test_a_drafting_forward_launched_after_the_read_back_is_priced_from_it(wedlm
         launch(unit, plans)
         regular.add(engine.in_flight[-1].batch_id)
 
-    def timed(flight):
+    def timed(step_cost, flight, micro_batches):
         timing[0] = flight.batch_id in regular
-        time_forward(flight)
+        time_forward(step_cost, flight, micro_batches)
 
-    engine.step_cost.observe, engine._launch, engine._time_forward = spy, slow_launch, timed
+    engine.step_cost.observe, engine._launch, engine.clock.observe = spy, slow_launch, timed
     try:
         seq = engine.submit(prompt, params)
         for _ in engine.stream([seq]):
             pass
     finally:
-        del engine.step_cost.observe, engine._launch, engine._time_forward
+        del engine.step_cost.observe, engine._launch, engine.clock.observe
         engine.step_cost.seed({})
     # drafting forwards launched regularly (a mask probe rides AR's look-ahead instead)
     drafts = [s for kind, launched, s in seen if kind == DRAFT and launched]

@@ -12,9 +12,15 @@ import pytest
 
 from common.generation_params import GenerationParams
 from coordinator.engine.local_engine import open_local_engine
-from coordinator.engine.row_plan import plan_prefill
+from coordinator.engine.modes import PlanContext, apply_result, plan_prefill
 from coordinator.engine.sequence import Phase, Sequence
 from tests.support.reference_wedlm import reference_generate
+
+
+def _prefill(seq, chunk, mask=None, positions=0, break_even=1.0):
+    """plan_prefill with the engine's context (none: the diffusion scheduler's call)."""
+    ctx = None if mask is None else PlanContext(mask, positions, chunk, break_even)
+    return plan_prefill(seq, chunk, ctx)
 
 MASK = 7
 
@@ -110,44 +116,42 @@ def _seq(mode: str, prompt: int = 10, **kw) -> Sequence:
 def test_which_last_chunks_open_decoding():
     """plan_prefill: only the prompt's last chunk opens, only for WeDLM and for mask drafts
     of a new request, and only where the slots fit the chunk and the context."""
-    wedlm = plan_prefill(_seq("wedlm", window=4), 64, MASK, 4096)
+    wedlm = _prefill(_seq("wedlm", window=4), 64, MASK, 4096)
     assert wedlm.opens and wedlm.keep == 10 and wedlm.width == 14
     assert list(wedlm.head_slots) == [10, 11, 12, 13] and wedlm.head_is_mask.all()
     assert list(wedlm.tokens[10:]) == [MASK] * 4 and not wedlm.filled[10:].any()
-    spec = plan_prefill(_seq("speculative", draft="mask", window=4), 64, MASK, 4096)
+    spec = _prefill(_seq("speculative", draft="mask", window=4), 64, MASK, 4096)
     assert spec.opens and spec.keep == 10 and spec.drafts == 0
     assert list(spec.head_slots) == [9, 10, 11, 12, 13]  # the first token's row, then masks
     assert list(spec.head_is_mask) == [False, True, True, True, True]
     not_opening = [
-        plan_prefill(_seq("ar"), 64, MASK, 4096),
-        plan_prefill(_seq("speculative", draft="lookup", window=4), 64, MASK, 4096),
-        plan_prefill(_seq("wedlm", window=4), 12, MASK, 4096),  # 10 + 4 > a chunk of 12
-        plan_prefill(_seq("wedlm", window=4), 64, MASK, 13),  # past the context
-        plan_prefill(_seq("wedlm", prompt=80, window=4), 64, MASK, 4096),  # not the last
-        plan_prefill(_seq("wedlm", window=4), 64),  # no mask id: diffusion's scheduler
+        _prefill(_seq("ar"), 64, MASK, 4096),
+        _prefill(_seq("speculative", draft="lookup", window=4), 64, MASK, 4096),
+        _prefill(_seq("wedlm", window=4), 12, MASK, 4096),  # 10 + 4 > a chunk of 12
+        _prefill(_seq("wedlm", window=4), 64, MASK, 13),  # past the context
+        _prefill(_seq("wedlm", prompt=80, window=4), 64, MASK, 4096),  # not the last
+        _prefill(_seq("wedlm", window=4), 64),  # no mask id: diffusion's scheduler
     ]
     assert not any(p.opens for p in not_opening)
     assert not_opening[0].width == 10 and list(not_opening[0].head_slots) == [9]
     drafting = _seq("speculative", draft="mask", window=4)
     drafting.draft_limit = 2  # a state it carries already: not a new request's opening
-    assert not plan_prefill(drafting, 64, MASK, 4096).opens
+    assert not _prefill(drafting, 64, MASK, 4096).opens
     done = _seq("speculative", draft="mask", window=4)
     done.prefilled = done.kv_length = 10  # no prompt row left: no row to choose from
-    assert not plan_prefill(done, 64, MASK, 4096).opens
+    assert not _prefill(done, 64, MASK, 4096).opens
     rebuilt = _seq("wedlm", window=4)
     rebuilt.rebuild_to, rebuilt.output = 12, [1, 2, 3]
-    assert not plan_prefill(rebuilt, 64, MASK, 4096).opens
+    assert not _prefill(rebuilt, 64, MASK, 4096).opens
     never_pays = _seq("speculative", draft="mask", window=4)  # break-even past window + 1
-    assert not plan_prefill(never_pays, 64, MASK, 4096, break_even=9.0).opens
+    assert not _prefill(never_pays, 64, MASK, 4096, break_even=9.0).opens
 
 
 def test_an_opening_without_confident_slots_halves_the_draft_limit():
     """The prompt's mask slots are the request's first exploration: none confident halves
     its limit as a decode forward's would (draft_policy.adapt_draft_limit)."""
-    from coordinator.engine.row_plan import apply_result
-
     seq = _seq("speculative", draft="mask", window=8)
-    plan = plan_prefill(seq, 64, MASK, 4096)
+    plan = _prefill(seq, 64, MASK, 4096)
     k = plan.head_slots.size
     _, phase = apply_result(plan, np.zeros(k, bool), np.arange(k) + 50)
     assert phase is Phase.DECODE and seq.output == [50] and seq.draft_limit == 4

@@ -135,7 +135,7 @@ def test_autoregressive_look_ahead_keeps_tokens_and_samples(model):
     batched = run_all(local, reqs)
     alone = [run_all(open_local_engine(model), [r])[0] for r in reqs]
     no_ahead = open_local_engine(model, num_rows=2)
-    no_ahead.engine._launch_ahead = lambda flight, tokens: False
+    no_ahead.engine._launch_ahead = lambda *args: False
     assert batched == alone == run_all(no_ahead, reqs)
 
 
@@ -306,7 +306,7 @@ def test_sequences_joining_a_decode_group_ride_the_look_ahead(model):
         engine = local.engine
         engine.scheduler.limits = Limits(max_running=4, prefill_hold=0)
         if not ahead:
-            engine._launch_ahead = lambda flight, tokens: False
+            engine._launch_ahead = lambda *args: False
         launches: list[int] = []
 
         def counted(unit, plans, launch=engine._launch, launches=launches):

@@ -244,7 +244,7 @@ def test_mask_drafts_chained_on_the_device_give_the_autoregressive_tokens():
 def test_a_forward_with_no_drafts_commits_the_models_choice(engines):
     """An empty draft (nothing to look up) is one pending row and no masks: it decides as
     AR does; the plan never drafts past max_tokens."""
-    from coordinator.engine.row_plan import plan_speculative
+    from coordinator.engine.modes.speculative import plan_speculative
 
     local = engines["llama"]
     prompt = local.tokenizer.encode("xyz")  # no repeated n-gram: lookup finds nothing
@@ -263,14 +263,14 @@ def test_drafts_adapt_to_their_acceptance(engines, monkeypatch):
     to none within a few forwards, probed again now and then, and meanwhile the request
     decodes as AR with AR's look-ahead; the output stays AR's token for token."""
     from coordinator.engine import engine as engine_module
-    from coordinator.engine.row_plan import PROBE_EVERY
+    from coordinator.engine.draft_state import PROBE_EVERY
 
     local = engines["llama"]
     ahead = [0]
     launch = engine_module.Engine._launch_ahead
 
-    def counted(self, flight, tokens):
-        taken = launch(self, flight, tokens)
+    def counted(self, flight, fills, tokens):
+        taken = launch(self, flight, fills, tokens)
         ahead[0] += taken and flight.plans[0].seq.params.mode == "speculative"
         return taken
 
@@ -289,7 +289,8 @@ def test_drafts_adapt_to_their_acceptance(engines, monkeypatch):
 
 
 def test_drafts_grow_back_when_accepted():
-    from coordinator.engine.row_plan import PROBE_EVERY, adapt_draft_limit, draft_room
+    from coordinator.engine.draft_policy import adapt_draft_limit, draft_room
+    from coordinator.engine.draft_state import PROBE_EVERY
     from coordinator.engine.sequence import Sequence
 
     seq = Sequence(0, [1], GenerationParams(mode="speculative", window=8))

@@ -11,8 +11,9 @@ import mlx.core as mx
 import numpy as np
 
 from common.generation_params import GenerationParams
-from coordinator.engine import speculative_ahead
-from coordinator.engine.row_plan import apply_result, plan_speculative
+from coordinator.engine.modes import apply_result
+from coordinator.engine.modes import speculative as speculative_ahead
+from coordinator.engine.modes.speculative import plan_speculative
 from coordinator.engine.sequence import Phase, Sequence
 
 MASK = 999

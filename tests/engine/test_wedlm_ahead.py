@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 
 from common.generation_params import GenerationParams
+from common.modes import Mode
 from common.window_mask import device_visibility, window_visibility
-from coordinator.engine import engine as engine_module
+from coordinator.engine import head_choice
 from coordinator.engine.local_engine import open_local_engine
+from coordinator.engine.look_ahead import LookAhead
+from coordinator.engine.modes import wedlm as wedlm_mode
 from tests.support.reference_wedlm import reference_generate
 
 TEXTS = ("the cat sat on", "count 1 2 3", "a b c d e", "once upon a time")
@@ -29,26 +32,26 @@ def model(checkpoint_dir):
 def ahead_count(monkeypatch):
     """How many look-ahead forwards the engine resolved."""
     count = [0]
-    resolve = engine_module.Engine._resolve_ahead
+    resolve = LookAhead.resolve
 
     def counted(self, *args):
         count[0] += 1
         return resolve(self, *args)
 
-    monkeypatch.setattr(engine_module.Engine, "_resolve_ahead", counted)
+    monkeypatch.setattr(LookAhead, "resolve", counted)
     return count
 
 
 def decode(local, prompts, params, serial=False):
     engine = local.engine
     if serial:
-        engine._launch_wedlm_ahead = lambda *args: False
+        engine.ahead.off.add(Mode.WEDLM)
     try:
         seqs = [engine.submit(p, params) for p in prompts]
         for _ in engine.stream(seqs):
             pass
     finally:
-        engine.__dict__.pop("_launch_wedlm_ahead", None)
+        engine.ahead.off.discard(Mode.WEDLM)
     return [(s.output, s.forwards, s.finish_reason) for s in seqs]
 
 
@@ -106,8 +109,8 @@ def test_the_step_graphs_run_compiled_for_wedlm_windows_only(model, monkeypatch)
         monkeypatch.setattr(module_of[name], name, counted)
 
     module_of = {
-        "window_fills": engine_module,
-        "compiled_device_visibility": engine_module,
+        "window_fills": head_choice,
+        "compiled_device_visibility": wedlm_mode,
         "compiled_attention_mask": kv_rows,
     }
     for name, module in module_of.items():

@@ -22,7 +22,8 @@ from coordinator.engine.diffusion.scheduler import CanvasScheduler
 from coordinator.engine.diffusion.settings import DiffusionSettings, load_settings
 from coordinator.engine.diffusion.step_result import StepResult
 from coordinator.engine.diffusion.turbo import turbo_step
-from coordinator.engine.engine import Engine, InFlight, Ran
+from coordinator.engine.engine import Engine
+from coordinator.engine.in_flight import InFlight, Ran
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.scheduler import Commit, Limits, Scheduler, Unit
 from coordinator.engine.sequence import Sequence

@@ -20,7 +20,8 @@ from coordinator.engine.diffusion.canvas import (
 )
 from coordinator.engine.diffusion.settings import DiffusionSettings
 from coordinator.engine.forward_shapes import ShapeLimits
-from coordinator.engine.row_plan import RowPlan, plan_prefill
+from coordinator.engine.modes import plan_prefill
+from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.scheduler import Scheduler
 from coordinator.engine.sequence import Phase, Sequence
 
