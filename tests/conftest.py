@@ -10,16 +10,14 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
-
-# End-to-end files (real coordinator and worker processes, or a pip install): marked `e2e`,
-# so `pytest -m "not e2e"` is the quick loop. Files named *_e2e.py, and these:
-E2E_FILES = {"test_diffusion_cluster.py", "test_client_package.py"}
+# What starts real coordinator/worker processes, a pip install or a browser lives here:
+# marked `e2e` by its folder, so `pytest -m "not e2e"` is the quick loop.
+E2E_DIR = Path(__file__).resolve().parent / "e2e"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        name = item.path.name
-        if name.endswith("_e2e.py") or name in E2E_FILES:
+        if item.path.is_relative_to(E2E_DIR):
             item.add_marker(pytest.mark.e2e)
 
 
