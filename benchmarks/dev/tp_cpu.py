@@ -179,9 +179,10 @@ def ours(path: Path, tp: int, args, single: list[int], rows: list[list[int]]) ->
         per_step: dict[str, dict] = {}
         for _ in range(args.repeats):
             for key, prompts in (("single", [single]), (f"rows{len(rows)}", rows)):
+                time.sleep(0.6)  # the counter's next dump: every answer of the last phase in
                 before = frames_seen(frames)
                 gaps[key] += stream_gaps(address, prompts, args.tokens)
-                time.sleep(0.6)  # the counter's next dump
+                time.sleep(0.6)
                 per_step[key] = step_frames(before, frames_seen(frames), len(prompts))
         for key, g in gaps.items():
             out[f"{key}_ms"] = med([1e3 * x for x in g], 3)
@@ -196,8 +197,8 @@ def ours(path: Path, tp: int, args, single: list[int], rows: list[list[int]]) ->
 
 def step_frames(before: dict, after: dict, streams: int) -> dict[str, Any]:
     """Pipe bytes per decode step (every stream one token) of a phase: its one-wide
-    forwards (a step may be several, one per micro-batch) and their answers (the i-th frame
-    read answers the i-th sent: every request has one answer, in order)."""
+    forwards (a step may be several, one per micro-batch) and their answers: past the
+    group's start (one message, two answers), the i-th frame read answers the i-th sent."""
     sent = after["sent"][len(before["sent"]) :]
     received = after["received"][len(before["received"]) :]
     decode = [i for i, f in enumerate(sent) if f[0] == "forward" and f[2] == 1]
