@@ -1,5 +1,6 @@
 """The thread that owns MLX in the coordinator: it takes new jobs and cancellations from a
-queue, ticks the engine, publishes each tick's commits to the jobs, and keeps the metrics.
+queue, ticks the engine, publishes each tick's commits to the jobs (live_jobs.py), and keeps
+the metrics.
 Its last act is `release_mlx_thread`, and CoordinatorServer.stop joins it.
 
 An unexpected error fails the requests it touched (one request's, when it came from that
@@ -19,15 +20,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
-from common.errors import InvalidRequest, WedlmError, is_out_of_memory
+from common.errors import WedlmError, is_out_of_memory
 from common.mlx_thread_exit import release_mlx_thread
-from common.modes import Mode
-from common.tokenizer import TextStream, Tokenizer
+from common.tokenizer import Tokenizer
 from coordinator.engine.engine import Engine
 from coordinator.engine.pipeline import Pipeline
 from coordinator.engine.prefix_cache import CacheStats
-from coordinator.engine.scheduler import QueueFull
-from coordinator.engine.sequence import Phase, Sequence
+from coordinator.engine.sequence import Phase
 from coordinator.service.fault_hooks import (
     ENGINE_CRASH_FAULT,
     OUT_OF_MEMORY_FAULT,
@@ -38,25 +37,16 @@ from coordinator.service.fault_hooks import (
     parse_fault,
 )
 from coordinator.service.jobs import Job
-from coordinator.service.messages import Cancel, Inbox, RequestResult, Stop, Submit, Wake
+from coordinator.service.live_jobs import LiveJobs
+from coordinator.service.messages import Cancel, Inbox, Stop, Submit, Wake
 from coordinator.service.metrics import Metrics
 from coordinator.service.results import (
     ENGINE_STOPPED,
     OUT_OF_MEMORY,
     error_record,
-    result_record,
 )
 
 log = logging.getLogger(__name__)
-
-
-class _Live:
-    """A job being decoded: its sequence, text stream and latency bookkeeping."""
-
-    def __init__(self, job: Job, seq: Sequence, stream: TextStream) -> None:
-        self.job, self.seq, self.stream = job, seq, stream
-        self.started: float | None = None  # admitted to running
-        self.last_token: float | None = None
 
 
 MAX_FAILED_RECOVERIES = 3  # recoveries in a row whose next forward fails again
@@ -106,7 +96,7 @@ class EngineLoop(threading.Thread):
         self.tokenizer = tokenizer
         self.metrics = metrics or Metrics()
         self.inbox: queue.Queue = queue.Queue()
-        self._live: dict[int, _Live] = {}
+        self.live = LiveJobs(engine, tokenizer, self.metrics)  # the jobs being decoded
         self._stopping = threading.Event()
         self._replan: str | None = None  # why the pipeline should be planned anew
         self._last_replan = ""  # the reason of the re-plan asked last (recovery_log)
@@ -114,7 +104,6 @@ class EngineLoop(threading.Thread):
         self.last_progress = time.monotonic()
         self._cache_seen = CacheStats()  # prefix-cache counts already exported
         self._failures = 0  # forwards failed since the last tick that worked
-        self._request_fault: str | None = None  # a job id whose next delivery fails (tests)
 
     # ---- called from gRPC threads --------------------------------------------------
     def submit(self, job: Job, choices: tuple[Job, ...] = ()) -> None:
@@ -170,11 +159,11 @@ class EngineLoop(threading.Thread):
                     job.finish("failed", error_record(len(job.prompt), message, ENGINE_STOPPED))
         with contextlib.suppress(Exception):  # the engine's state may be what broke
             self.engine.fail_all()
-        lives = list(self._live.values())
+        lives = list(self.live.by_seq.values())
         with contextlib.suppress(Exception):
             self.engine.fail([live.seq for live in lives])
         for live in lives:
-            self._finish(live.seq, "failed", message, ENGINE_STOPPED)
+            self.live.finish(live.seq, "failed", message, ENGINE_STOPPED)
 
     def _serve(self) -> None:
         errors = 0  # unexpected errors since the last pass that went through
@@ -209,7 +198,7 @@ class EngineLoop(threading.Thread):
             log.warning("re-planning: %s", reason)
             if not self._recover(None):
                 self._fail_running(WedlmError(f"re-planning failed ({reason})"))
-        self._expire()
+        self.live.expire()
         if self.engine.has_work:
             self._tick()
         elif (broken := getattr(self.engine.pipeline, "broken", None)) is not None:
@@ -224,7 +213,8 @@ class EngineLoop(threading.Thread):
         """After an unexpected error outside one request's work: the requests running may
         be what it broke, so they fail (cancelled in the engine, their KV released as
         after a cancellation); those still waiting were not touched and stay queued."""
-        touched = [live for live in self._live.values() if live.seq.phase is not Phase.WAITING]
+        lives = self.live.by_seq.values()
+        touched = [live for live in lives if live.seq.phase is not Phase.WAITING]
         message = (
             f"the coordinator's engine failed this request: {type(error).__name__}: {error} "
             f"(it goes on serving other requests)"
@@ -235,19 +225,7 @@ class EngineLoop(threading.Thread):
         except Exception as e:  # the engine cannot even cancel: it cannot go on
             raise EngineBroken(f"cannot cancel requests after {error!r}: {e!r}") from e
         for live in touched:
-            self._finish(live.seq, "failed", message)
-
-    def _fail_request(self, live: _Live, error: Exception, doing: str) -> None:
-        """One request's own work raised: that request fails, the others go on."""
-        log.error("request %s failed while %s: %s", live.job.job_id, doing, error,
-                  exc_info=error)  # fmt: skip
-        self.engine.cancel(live.seq, "error")
-        self._finish(
-            live.seq,
-            "failed",
-            f"the coordinator failed this request while {doing}: {type(error).__name__}: "
-            f"{error} (it goes on serving other requests)",
-        )
+            self.live.finish(live.seq, "failed", message)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -264,69 +242,27 @@ class EngineLoop(threading.Thread):
     def _handle(self, message: Inbox) -> None:
         match message:
             case Submit(job, choices):
-                leader = self._start(job)
+                leader = self.live.start(job)
                 for choice in choices:
-                    self._start(choice, leader)
-            case Cancel(job, reason) if job.seq_id in self._live:
-                self._end(self._live[job.seq_id], "cancelled", reason)
+                    self.live.start(choice, leader)
+            case Cancel(job, reason) if job.seq_id in self.live.by_seq:
+                self.live.end(self.live.by_seq[job.seq_id], "cancelled", reason)
             case _:  # Wake, Stop (the loop reads its flags), or nothing left to do
                 pass
-
-    def _start(self, job: Job, leader: Sequence | None = None) -> Sequence | None:
-        """Hand `job` to the engine (`leader`: the choice whose prompt rows it copies)."""
-        if job.finished:
-            return None
-        try:
-            seq = self.engine.submit(job.prompt, job.params, leader)
-        except QueueFull as e:  # a backstop: the servicer checks the limits first
-            job.finish("failed", error_record(len(job.prompt), str(e)))
-            return None
-        except InvalidRequest as e:  # the servicer checks new requests: a stored job
-            job.finish("failed", error_record(len(job.prompt), self._cannot_run(job, e)))
-            return None
-        except Exception as e:  # a bug in this request's setup: it alone fails
-            log.error("job %s could not start: %s", job.job_id, e, exc_info=e)
-            message = f"the coordinator could not start this request: {type(e).__name__}: {e}"
-            job.finish("failed", error_record(len(job.prompt), message))
-            return None
-        job.seq_id = seq.seq_id
-        self._live[seq.seq_id] = _Live(job, seq, self.tokenizer.detokenizer())
-        return seq
-
-    def _cannot_run(self, job: Job, error: InvalidRequest) -> str:
-        if not job.restored:
-            return str(error)
-        message = (
-            f"job {job.job_id} was accepted before this coordinator started and cannot run "
-            f"on its model (identity {self.engine.config.identity}): {error}"
-        )
-        log.error("%s", message)
-        return message
-
-    def _expire(self) -> None:
-        now = time.time()
-        for live in list(self._live.values()):
-            deadline = live.job.deadline
-            if deadline is not None and now > deadline:
-                self._end(live, "cancelled", reason="deadline")
-
-    def _end(self, live: _Live, state: str, reason: str = "cancelled") -> None:
-        self.engine.cancel(live.seq, reason)
-        self._finish(live.seq, state)
 
     def _tick(self) -> None:
         fault, argument = parse_fault(self.faults.take() if self.faults is not None else None)
         if fault == ENGINE_CRASH_FAULT:
             raise EngineBroken("injected engine crash")
         if fault == REQUEST_ERROR_FAULT:
-            self._request_fault = argument
+            self.live.request_fault = argument
         if fault == OUT_OF_MEMORY_FAULT:
             error = InjectedFault("[metal::malloc] out of memory (injected)")
             fail_next_collect(self.engine.pipeline, error)
         try:
             commits = self.engine.step()
         except Exception as e:  # a worker failed mid-forward, or this process's own layers
-            self._deliver(self.engine.take_undelivered())  # finished before the failure
+            self.live.deliver(self.engine.take_undelivered())  # finished before the failure
             # A broken relay chain needs a re-plan, whatever the worker's error said.
             if is_out_of_memory(e) and getattr(self.engine.pipeline, "broken", None) is None:
                 self._out_of_memory(e)
@@ -347,7 +283,7 @@ class EngineLoop(threading.Thread):
         self._failures = 0
         self.ticks += 1
         self.last_progress = time.monotonic()
-        self._deliver(commits)
+        self.live.deliver(commits)
         self._gauges()
 
     def _out_of_memory(self, error: Exception) -> None:
@@ -379,7 +315,7 @@ class EngineLoop(threading.Thread):
         scheduler.fail(too_big)
         for seq in too_big:
             need = scheduler.kv_need(seq)
-            self._finish(
+            self.live.finish(
                 seq,
                 "failed",
                 f"out of memory: this request may need {need} KV rows and its forward ran out "
@@ -408,39 +344,11 @@ class EngineLoop(threading.Thread):
     def _fail_running(self, error: Exception) -> None:
         failed = self.engine.fail_all()
         for seq in failed:
-            self._finish(seq, "failed", error=str(error))
+            self.live.finish(seq, "failed", error=str(error))
         try:  # best effort: reachable workers drop the rows now
             self.engine.pipeline.release([s.seq_id for s in failed])
         except Exception as release_error:
             log.warning("could not release KV after a failure: %s", release_error)
-
-    def _deliver(self, commits) -> None:
-        now = time.monotonic()
-        finished = {}  # a sequence may commit twice in one tick: it ends after the last
-        for commit in commits:
-            live = self._live.get(commit.seq.seq_id)
-            if live is None:
-                continue
-            try:
-                self._deliver_one(live, commit, now)
-            except Exception as e:  # this request's text or listeners: it alone fails
-                finished.pop(commit.seq.seq_id, None)
-                self._fail_request(live, e, "delivering its tokens")
-                continue
-            if commit.seq.finished:
-                finished[commit.seq.seq_id] = commit.seq
-        for seq in finished.values():
-            self._finish(seq, "done")
-        self._mark_started(now)
-
-    def _deliver_one(self, live: _Live, commit, now: float) -> None:
-        if self._request_fault is not None and live.job.job_id == self._request_fault:
-            self._request_fault = None
-            raise InjectedFault(f"injected error in request {live.job.job_id}")
-        if commit.tokens:
-            self._observe_tokens(live, len(commit.tokens), now)
-            text = live.stream.add(commit.tokens)
-            live.job.publish(commit.tokens, text, commit.logprobs)
 
     def _recover(self, error: Exception | None) -> bool:
         """Re-plan over the workers that are left (or wait for one), then rebuild every
@@ -461,24 +369,6 @@ class EngineLoop(threading.Thread):
                                   "reason": why, "lost": error is not None})  # fmt: skip
         log.warning("recovered in %.2f s; rebuilding KV", self.recoveries[-1])
         return True
-
-    def _mark_started(self, now: float) -> None:
-        for live in self._live.values():
-            if live.started is None and live.seq.phase is not Phase.WAITING:
-                live.started = now
-                live.job.mark_running()
-                self.metrics.queue_time.observe(time.time() - live.job.created_at)
-
-    def _observe_tokens(self, live: _Live, count: int, now: float) -> None:
-        m = self.metrics
-        m.generation_tokens.inc(count)
-        if live.last_token is None:
-            m.ttft.observe(time.time() - live.job.created_at)
-        else:  # tokens committed together share the gap since the previous commit
-            gap = (now - live.last_token) / count
-            for _ in range(count):
-                m.itl.observe(gap)
-        live.last_token = now
 
     def _gauges(self) -> None:
         m, engine = self.metrics, self.engine
@@ -503,45 +393,3 @@ class EngineLoop(threading.Thread):
             m.prefix_cache_hit_tokens.inc(now.hit_tokens - seen.hit_tokens)
             m.prefix_cache_evictions.inc(now.evictions - seen.evictions)
             self._cache_seen = replace(now)
-
-    def _finish(self, seq: Sequence, state: str, error: str = "", error_kind: str = "") -> None:
-        """End the request's job, whatever fails on the way: its client must hear."""
-        live = self._live.pop(seq.seq_id, None)
-        if live is None:
-            return
-        try:
-            record = self._final_record(live, seq, state, error, error_kind)
-        except Exception as e:  # its text or metrics: the job still ends, with why
-            log.error("request %s: its result could not be made: %s", live.job.job_id, e,
-                      exc_info=e)  # fmt: skip
-            why = f"the coordinator could not make this request's result: {type(e).__name__}: {e}"
-            state, record = "failed", error_record(len(seq.prompt), error or why, error_kind)
-        live.job.finish(state, record)
-
-    def _final_record(
-        self, live: _Live, seq: Sequence, state: str, error: str, error_kind: str
-    ) -> RequestResult:
-        tail = live.stream.finish()  # text the streaming detokenizer held back
-        if tail:
-            live.job.publish([], tail)
-        record = result_record(seq, self.tokenizer.text(seq.output), error, error_kind)
-        m = self.metrics
-        m.prompt_tokens.inc(seq.prefilled)
-        m.prompt_tokens_computed.inc(max(seq.prefilled - seq.cached_tokens, 0))
-        m.prompt_tokens_shared.inc(seq.shared_tokens)
-        m.decode_forwards.inc(seq.forwards)
-        m.requests.labels(seq.finish_reason or state).inc()
-        m.e2e.observe(time.time() - live.job.created_at)
-        if seq.forwards:
-            m.tokens_per_forward.observe(len(seq.output) / seq.forwards)
-        if seq.params.mode == Mode.SPECULATIVE:
-            m.drafted_tokens.inc(seq.drafted)
-            m.accepted_drafts.inc(seq.accepted)
-            if seq.forwards:
-                m.accepted_per_forward.observe(seq.accepted / seq.forwards)
-        if seq.params.mode == Mode.DIFFUSION and seq.canvases:
-            m.diffusion_canvases.inc(seq.canvases)
-            m.steps_per_canvas.observe(seq.forwards / seq.canvases)
-        if len(seq.output) > 1 and seq.decode_s:
-            m.tpot.observe(seq.decode_s / (len(seq.output) - 1))
-        return record
