@@ -257,7 +257,7 @@ class _Warmer:
         """Prompt chunks at start 0 (kept nowhere), for every padded width a prefill
         micro-batch of this many rows can have: one row, or padded rows x padded width
         within the prefill budget (the scheduler's rule)."""
-        limits = self.engine.scheduler.limits
+        limits = self.engine.limits
         rows, prev = len(ids), 1
         for t in sorted({padded_width(t) for t in range(2, limits.prefill_chunk + 1)}):
             shortest, prev = prev + 1, t  # the shortest chunk that pads to t

@@ -117,7 +117,7 @@ class Admission:
             raise Refused(INVALID, str(e), overflow) from None
         except (InvalidRequest, CheckpointError) as e:
             raise Refused(INVALID, str(e)) from None
-        budget = self.engine.scheduler.limits.kv_tokens
+        budget = self.engine.limits.kv_tokens
         need = len(prompt) + params.max_tokens + params.forward_rows
         if budget is not None and need > budget:
             raise Refused(
@@ -129,7 +129,7 @@ class Admission:
 
     def _check_room(self, prompt_tokens: int, count: int = 1) -> None:
         """Refuse at once, rather than queue without bound (`count` jobs of this prompt)."""
-        limits = self.engine.scheduler.limits
+        limits = self.engine.limits
         active, tokens = self.jobs.load()
         if active + count > limits.max_running + limits.max_queued:
             raise Refused(

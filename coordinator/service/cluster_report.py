@@ -41,7 +41,7 @@ def cluster_status(server: CoordinatorServer) -> pb.ClusterStatusReply:
         max_running=server.max_running,
         max_running_reason=server.max_running_reason,
         default_mode=engine.default_mode,
-        kv_budget_tokens=engine.scheduler.limits.kv_tokens or 0,
+        kv_budget_tokens=engine.limits.kv_tokens or 0,
         limits=pb.RequestLimits(
             max_request_bytes=server.max_request_bytes,
             context_tokens=config.max_position_embeddings,
@@ -119,7 +119,7 @@ def prefix_cache_status(engine: Engine) -> pb.PrefixCacheStatus:
         enabled=True,
         entries=len(cache.entries),
         tokens=max(cache.tokens, 0),
-        capacity_tokens=cache.capacity(engine.scheduler.limits.kv_tokens),
+        capacity_tokens=cache.capacity(engine.limits.kv_tokens),
         lookups=stats.lookups,
         hits=stats.hits,
         hit_tokens=stats.hit_tokens,

@@ -302,17 +302,17 @@ class EngineLoop(threading.Thread):
             if not self._recover(e):
                 self._fail_running(e)
             return
-        limits = scheduler.limits
+        limits = engine.limits
         measured = self.measure_kv_budget() if self.measure_kv_budget is not None else None
         known = [b for b in (measured, limits.kv_tokens) if b is not None]
         before = limits.kv_tokens
         alone = len(back) == 1  # it fails: the others need no smaller budget for its sake
         share = [] if alone else [int(in_use * OOM_BUDGET_SHARE)]
-        limits.kv_tokens = max(1, min([*known, *share])) if known or share else None
+        budget = max(1, min([*known, *share])) if known or share else None
+        engine.change_limits(kv_tokens=budget)
         self._budget_shrunk = True
-        budget = limits.kv_tokens
         too_big = back if alone else [s for s in back if scheduler.kv_need(s) > budget]
-        scheduler.fail(too_big)
+        engine.fail(too_big)
         for seq in too_big:
             need = scheduler.kv_need(seq)
             self.live.finish(
@@ -336,10 +336,10 @@ class EngineLoop(threading.Thread):
         self._budget_shrunk = False
         if self.measure_kv_budget is None:
             return
-        limits = self.engine.scheduler.limits
-        before, limits.kv_tokens = limits.kv_tokens, self.measure_kv_budget()
+        before = self.engine.limits.kv_tokens
+        self.engine.change_limits(kv_tokens=self.measure_kv_budget())
         log.info("idle after running out of memory: KV admission budget %s -> %s tokens",
-                 before, limits.kv_tokens)  # fmt: skip
+                 before, self.engine.limits.kv_tokens)  # fmt: skip
 
     def _fail_running(self, error: Exception) -> None:
         failed = self.engine.fail_all()

@@ -1,7 +1,7 @@
 """The settings of `wedlm-coordinator serve` (and `local`), each declared once as a field
 with its default, bounds and help (a `Knob`, coordinator/knobs.py): server_cli.py makes the
 flags and serve_config.py reads the TOML keys from these fields and from the scheduler's
-`Limits`. The server's `ServeOptions` (server.py) is these fields plus what only code sets;
+`Limits`. The server's `ServeOptions` (serve_options.py) is these fields plus what only code sets;
 serve_args.py fills it from the parsed flags, field by field."""
 
 from __future__ import annotations

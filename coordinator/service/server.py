@@ -253,23 +253,27 @@ class CoordinatorServer:
     def set_kv_budget(self) -> None:
         """Admission's KV budget from the memory free now; without --max-running, the
         number of sequences decoded at once follows it."""
-        limits = self.engine.scheduler.limits
-        limits.kv_tokens = self.measure_kv_budget()
-        limits.state_tokens = kv_budget.state_tokens(self.config, self.opts.kv)
+        engine = self.engine
+        engine.change_limits(
+            kv_tokens=self.measure_kv_budget(),
+            state_tokens=kv_budget.state_tokens(self.config, self.opts.kv),
+        )
+        limits = engine.limits
         log.info("KV admission budget: %s tokens", limits.kv_tokens)
         if limits.state_tokens:
             log.info("a sequence's recurrent state counts as %s KV tokens", limits.state_tokens)
         if not self.opts.max_running:
             rows = 1 if self.config.default_mode == "ar" else 2 * GenerationParams().window
             rows += limits.state_tokens  # a hybrid family's state, in KV tokens' worth
-            limits.max_running, self.max_running_reason = auto_max_running(
+            max_running, self.max_running_reason = auto_max_running(
                 limits.kv_tokens, self.opts.default_max_tokens, rows
             )
+            engine.change_limits(max_running=max_running)
         log.info("sequences decoded at once: %s", self.max_running_reason)
 
     @property
     def max_running(self) -> int:
-        return self.engine.scheduler.limits.max_running
+        return self.engine.limits.max_running
 
     def alive(self) -> bool:
         """The process can still serve: its engine thread has not stopped on an error."""
