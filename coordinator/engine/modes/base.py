@@ -47,6 +47,23 @@ class AheadForward:
     caps: list[int] | None = None  # a speculative chain: the most drafts each row carries
 
 
+def ahead_spec(
+    plans: list[RowPlan], padding: list[int], width: int, filled: np.ndarray, visibility
+) -> RowsSpec:
+    """A look-ahead forward's RowsSpec: each row `width` wide from its committed KV on
+    (padding rows one slot at 0), nothing kept yet (look_ahead.resolve names the keeps),
+    the slots' visibility given on the device."""
+    b = len(plans) + len(padding)
+    return RowsSpec(
+        seq_ids=[p.seq.seq_id for p in plans] + padding,
+        starts=np.array([p.seq.kv_length + p.keep for p in plans] + [0] * len(padding)),
+        widths=np.array([width] * len(plans) + [1] * len(padding)),
+        filled=filled,
+        keeps=np.zeros(b, dtype=np.int64),
+        visibility=visibility,
+    )
+
+
 class Flight(Protocol):
     """The micro-batch being completed, as a mode sees it (engine.InFlight)."""
 

@@ -32,9 +32,15 @@ import numpy as np
 
 from common.generation_params import GenerationParams
 from common.modes import Mode
-from common.rows_spec import RowsSpec
 from coordinator.engine.draft_policy import adapt_draft_limit, can_pay, draft_room, settle_shadow
-from coordinator.engine.modes.base import AheadForward, AheadRoom, DecodingMode, Flight, PlanContext
+from coordinator.engine.modes.base import (
+    AheadForward,
+    AheadRoom,
+    DecodingMode,
+    Flight,
+    PlanContext,
+    ahead_spec,
+)
 from coordinator.engine.prompt_lookup import prompt_lookup
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sequence import Phase, Sequence
@@ -114,16 +120,10 @@ class SpeculativeMode(DecodingMode):
             row_caps,
         )  # fmt: skip
         b = len(plans) + len(padding)
-        spec = RowsSpec(
-            seq_ids=[p.seq.seq_id for p in plans] + padding,
-            starts=np.array([p.seq.kv_length + p.keep for p in plans] + [0] * len(padding)),
-            widths=np.array([width] * len(plans) + [1] * len(padding)),
-            filled=np.ones((b, width), dtype=bool),  # causal rows (module docstring)
-            keeps=np.zeros(b, dtype=np.int64),  # named by resolve_ahead (pipeline.keep)
-            # as an explicit mask: the fused causal path takes the exact KV span, a key
-            # length new to MLX-CUDA's attention at every step (RESULTS.md SC8)
-            visibility=mx.array(np.broadcast_to(np.tri(width, dtype=bool), (b, width, width))),
-        )
+        # causal rows (module docstring), as an explicit mask: the fused causal path takes
+        # the exact KV span, a key length new to MLX-CUDA's attention at every step (SC8)
+        causal = mx.array(np.broadcast_to(np.tri(width, dtype=bool), (b, width, width)))
+        spec = ahead_spec(plans, padding, width, np.ones((b, width), dtype=bool), causal)
         return AheadForward(plans, spec, ids, width=width, caps=row_caps)
 
     def resolve_ahead(self, stand_in: RowPlan, flight: Flight, row: int, ctx: PlanContext):

@@ -21,10 +21,16 @@ import numpy as np
 
 from common.generation_params import GenerationParams
 from common.modes import Mode
-from common.rows_spec import RowsSpec
 from common.window_mask import compiled_device_visibility
 from coordinator.engine.forward_shapes import padded_width
-from coordinator.engine.modes.base import AheadForward, AheadRoom, DecodingMode, Flight, PlanContext
+from coordinator.engine.modes.base import (
+    AheadForward,
+    AheadRoom,
+    DecodingMode,
+    Flight,
+    PlanContext,
+    ahead_spec,
+)
 from coordinator.engine.row_plan import RowPlan
 from coordinator.engine.sequence import Phase, Sequence
 
@@ -106,14 +112,8 @@ class WedlmMode(DecodingMode):
             plans, fills, tokens, room.ctx.mask_token_id, width, len(padding)
         )
         b = len(plans) + len(padding)
-        spec = RowsSpec(
-            seq_ids=[p.seq.seq_id for p in plans] + padding,
-            starts=np.array([p.seq.kv_length + p.keep for p in plans] + [0] * len(padding)),
-            widths=np.array([width] * len(plans) + [1] * len(padding)),
-            filled=np.zeros((b, width), dtype=bool),  # on the device only: `visibility`
-            keeps=np.zeros(b, dtype=np.int64),  # named by resolve_ahead (pipeline.keep)
-            visibility=compiled_device_visibility(filled),
-        )
+        host_filled = np.zeros((b, width), dtype=bool)  # on the device only: `visibility`
+        spec = ahead_spec(plans, padding, width, host_filled, compiled_device_visibility(filled))
         return AheadForward(plans, spec, ids)  # plans of step t stand in until resolved
 
 
